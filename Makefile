@@ -1,0 +1,25 @@
+# The two commands of the README: `make demo` and `make test`. Both create or reuse .venv.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.paraseek-installed
+export PYTHONPATH := $(CURDIR)/src
+
+.PHONY: demo test test-gpu clean
+
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	bash scripts/setup_venv.sh $(VENV)
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m paraseek demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" tests
+
+# On the GPU machine: the CUDA-only tests and measurements.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,3 @@
+from paraseek.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,465 @@
+"""The DeepSeek family as single-device math: Llama/Qwen2-style dense models (DeepSeek-LLM, R1-Distill) and
+DeepSeek-V2/V3 (MLA + DeepSeekMoE). Parallelism is applied from outside; nothing here knows the world size.
+
+Shape legend: B batch, T tokens, N = B*T flattened tokens, D model dim, H heads, K experts per token, E experts,
+F ffn width, V vocab, R rope dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paraseek.models.args import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 whatever the compute dtype (norms are the precision-sensitive part).
+        x_fp32 = x.float()
+        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_fp32.to(x.dtype)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# ---- rotary position embedding ----------------------------------------------------------------------------------------
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [R/2] and the cos/sin scale for plain, linear, llama3 and YaRN RoPE.
+
+    llama3: Meta's piecewise frequency rescaling (Llama 3.1). YaRN: Peng et al. 2023, eqs. 17-20 -- frequencies
+    below the `beta_slow` rotation count are interpolated by `factor`, above `beta_fast` kept, ramped in between;
+    cos/sin are scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) as DeepSeek-V2 configures it.
+    """
+    dim, base = args.rope_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if args.rope_type == "linear":
+        return inv_freq / args.rope_factor, 1.0
+    if args.rope_type == "llama3":
+        factor, old_len = args.rope_factor, args.rope_original_max_seq_len
+        low_wavelen, high_wavelen = old_len / args.rope_low_freq_factor, old_len / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - args.rope_low_freq_factor) / (args.rope_high_freq_factor - args.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if args.rope_type == "yarn":
+        factor, old_len = args.rope_factor, args.rope_original_max_seq_len
+
+        def correction_dim(n_rot: float) -> float:
+            return dim * math.log(old_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(args.rope_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(args.rope_beta_slow)), dim - 1)
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001), 0, 1)
+        keep = 1 - ramp  # 1 = keep the original (extrapolated) frequency
+        inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
+        if args.rope_mscale and args.rope_mscale_all_dim:
+            attn_factor = _yarn_mscale(factor, args.rope_mscale) / _yarn_mscale(factor, args.rope_mscale_all_dim)
+        else:
+            attn_factor = _yarn_mscale(factor)
+        return inv_freq, attn_factor
+    return inv_freq, 1.0
+
+
+def apply_rope(x_BTHR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate the last dim. cos/sin hold R/2 angles. Half-split layout (Llama) or adjacent pairs (DeepSeek MLA).
+
+    For adjacent pairs the output is written in half-split order; queries and keys get the same permutation, so
+    q.k is unchanged and the layout after rotation is free to choose."""
+    cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
+    if interleave:
+        x1, x2 = x_BTHR[..., 0::2], x_BTHR[..., 1::2]
+    else:
+        x1, x2 = x_BTHR.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---- attention --------------------------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Multi-head attention with GQA and optional q/k/v bias (DeepSeek-LLM, Llama, Qwen2)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.softmax_scale = args.head_dim**-0.5
+
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = apply_rope(self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim), cos_TR, sin_TR, False)
+        k = apply_rope(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), cos_TR, sin_TR, False)
+        v = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+    def init_weights(self, std: float) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            _init_linear(lin, std)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 paper, sec. 2.1): queries optionally through a low-rank q_lora,
+    keys/values from one compressed latent of width kv_lora_rank, plus a decoupled RoPE key shared by all heads."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        qk_dim = self.nope_dim + self.rope_dim
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, args.n_heads * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(args.dim, args.n_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(args.dim, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        # DeepSeek's softmax scale: 1/sqrt(qk_dim), times mscale(factor, mscale_all_dim)^2 under YaRN.
+        self.softmax_scale = qk_dim**-0.5
+        if args.rope_type == "yarn" and args.rope_mscale_all_dim:
+            self.softmax_scale *= _yarn_mscale(args.rope_factor, args.rope_mscale_all_dim) ** 2
+        self.interleave = args.rope_interleave
+
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H = self.n_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora_rank else self.q_proj(x_BTD)
+        q_nope, q_pe = q.view(B, T, H, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        kv_latent, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(B, T, H, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos_TR, sin_TR, self.interleave)
+        k_pe = apply_rope(k_pe.view(B, T, 1, self.rope_dim), cos_TR, sin_TR, self.interleave)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(B, T, H, self.rope_dim)], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * self.v_dim))
+
+    def init_weights(self, std: float) -> None:
+        for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            if hasattr(self, name):
+                _init_linear(getattr(self, name), std)
+        for norm in (getattr(self, "q_a_layernorm", None), self.kv_a_layernorm):
+            if norm is not None:
+                norm.init_weights()
+
+
+# ---- feed-forward -----------------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter_dim, bias=False)
+        self.up_proj = nn.Linear(dim, inter_dim, bias=False)
+        self.down_proj = nn.Linear(inter_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def init_weights(self, std: float) -> None:
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            _init_linear(lin, std)
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    # torch._grouped_mm's fast kernels are Hopper+ (sm90) and bf16; elsewhere the exact per-expert loop is used.
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
+    """Rows of x sorted by expert (counts_E rows for expert e) times expert e's weight [O, I]: one grouped GEMM.
+
+    The fallback loops over experts (never over tokens) and is exact; it needs the counts on the host."""
+    if use_grouped is None:
+        use_grouped = _use_grouped_mm(x_MI)
+    if use_grouped:
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        return torch._grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=offs_E)
+    chunks = x_MI.split(counts_E.tolist(), dim=0)
+    return torch.cat([chunk @ w_EOI[e].t() for e, chunk in enumerate(chunks)], dim=0)
+
+
+class Experts(nn.Module):
+    """E routed SwiGLU experts as stacked [E, out, in] weights (one per-expert nn.Linear each in the hub format)."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+
+    def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
+        h_MF = F.silu(grouped_mm(x_MD, self.gate_proj, counts_E, use_grouped)) * grouped_mm(
+            x_MD, self.up_proj, counts_E, use_grouped
+        )
+        return grouped_mm(h_MF, self.down_proj, counts_E, use_grouped)
+
+    def init_weights(self, std: float) -> None:
+        for w in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(w, std=std)
+
+
+class Gate(nn.Module):
+    """The router: scores (softmax or sigmoid, in fp32), expert selection and combine weights.
+
+    greedy: top-k of the scores. group_limited_greedy (V2): keep the topk_group groups with the highest max score.
+    noaux_tc (V3): choose with scores + e_score_correction_bias (the auxiliary-loss-free balancing bias), groups
+    ranked by the sum of their top-2, but weight with the unbiased scores."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
+        if args.topk_method == "noaux_tc":
+            # A buffer, not a parameter: it is moved by the balancing rule, not by gradients.
+            self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self.args
+        logits_NE = F.linear(x_ND.float(), self.weight.float())
+        scores_NE = logits_NE.softmax(dim=-1) if a.score_func == "softmax" else logits_NE.sigmoid()
+        choice_NE = scores_NE
+        if self.e_score_correction_bias is not None:
+            choice_NE = scores_NE + self.e_score_correction_bias
+        if a.topk_method != "greedy" and a.n_group > 1:
+            grouped = choice_NE.view(-1, a.n_group, a.n_routed_experts // a.n_group)
+            if a.topk_method == "noaux_tc":
+                group_scores_NG = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores_NG = grouped.amax(dim=-1)
+            keep_NG = torch.zeros_like(group_scores_NG, dtype=torch.bool)
+            keep_NG.scatter_(1, group_scores_NG.topk(a.topk_group, dim=-1, sorted=False).indices, True)
+            keep_NE = keep_NG.unsqueeze(-1).expand_as(grouped).reshape(-1, a.n_routed_experts)
+            # -inf (not 0) so a masked-out expert can never win when biased scores are negative.
+            choice_NE = choice_NE.masked_fill(~keep_NE, float("-inf"))
+        idx_NK = choice_NE.topk(a.n_activated_experts, dim=-1, sorted=False).indices
+        weights_NK = scores_NE.gather(1, idx_NK)
+        if a.norm_topk_prob and a.n_activated_experts > 1:
+            weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights_NK * a.routed_scaling_factor, idx_NK, scores_NE
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: shared experts every token passes through + fine-grained routed experts (top-K of E).
+
+    Tokens are sorted by expert so each expert's rows are contiguous, then one grouped GEMM per projection."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_routed_experts, args.n_activated_experts
+        self.gate = Gate(args)
+        self.experts = Experts(args.n_routed_experts, args.dim, args.moe_inter_dim)
+        self.shared_experts = (
+            MLP(args.dim, args.moe_inter_dim * args.n_shared_experts) if args.n_shared_experts else None
+        )
+        # Tokens routed to each expert in the last forward (load telemetry and V3's balancing rule read it).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts), persistent=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        shape = x_BTD.shape
+        x_ND = x_BTD.reshape(-1, shape[-1])
+        weights_NK, idx_NK, _ = self.gate(x_ND)
+        flat_idx = idx_NK.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)  # slots sorted by expert
+        counts_E = torch.bincount(flat_idx, minlength=self.n_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(counts_E)
+        token_of_slot = order // self.top_k
+        y_MD = self.experts(x_ND[token_of_slot], counts_E)
+        y_MD = (y_MD.float() * weights_NK.reshape(-1)[order, None]).to(x_ND.dtype)
+        out_ND = torch.zeros_like(x_ND).index_add_(0, token_of_slot, y_MD)
+        if self.shared_experts is not None:
+            out_ND = out_ND + self.shared_experts(x_ND)
+        return out_ND.view(shape)
+
+    def init_weights(self, std: float) -> None:
+        self.gate.init_weights(std)
+        self.experts.init_weights(std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std)
+        self.tokens_per_expert.zero_()
+
+
+# ---- blocks and the model ---------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = MLA(args) if args.is_mla else Attention(args)
+        self.mlp = MoE(args) if args.is_moe_layer(layer_id) else MLP(args.dim, args.inter_dim)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_TR, sin_TR)
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+
+    def init_weights(self, std: float) -> None:
+        self.self_attn.init_weights(std)
+        self.mlp.init_weights(std)
+        self.input_layernorm.init_weights()
+        self.post_attention_layernorm.init_weights()
+
+
+class MTPModule(nn.Module):
+    """DeepSeek-V3 multi-token prediction module (V3 report, sec. 2.2): predicts token t+1+k from block k's hidden
+    state and the embedding of token t+k. Embedding and output head are shared with the main model."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = Block(layer_id, args)
+        self.norm = RMSNorm(args.dim, args.norm_eps)  # the hub's shared_head.norm
+
+    def forward(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
+        return self.block(x, cos_TR, sin_TR)
+
+    def init_weights(self, std: float) -> None:
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.init_weights()
+        _init_linear(self.eh_proj, std)
+        self.block.init_weights(std)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `forward(input_ids [B, T]) -> logits [B, T, V]`. Layers live in a ModuleDict keyed by their
+    global index so that a pipeline stage that deletes layers keeps the checkpoint names."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): Block(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPModule(args.n_layers + k, args) for k in range(args.n_mtp_layers))
+        inv_freq, self.rope_attn_factor = rope_inv_freq(args)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+
+    def rope_cos_sin(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
+        angles_TR = torch.outer(pos_T, self.rope_inv_freq.to(device=device, dtype=torch.float32))
+        return angles_TR.cos() * self.rope_attn_factor, angles_TR.sin() * self.rope_attn_factor
+
+    def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits)."""
+        h_BTD = self.embed_tokens(input_ids_BT) if self.embed_tokens is not None else input_ids_BT
+        cos_TR, sin_TR = self.rope_cos_sin(h_BTD.shape[1], h_BTD.device)
+        cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
+        for layer in self.layers.values():
+            h_BTD = layer(h_BTD, cos_TR, sin_TR)
+        return self.norm(h_BTD) if self.norm is not None else h_BTD
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        h_BTD = self.hidden_states(input_ids_BT)
+        return F.linear(h_BTD, self.output_weight())
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, device: torch.device | None = None) -> None:
+        """Initialize every parameter and buffer in place (after `to_empty` from the meta device). Output projections
+        get std / sqrt(2 * n_layers) (GPT-2's residual scaling) so deep stacks start stable."""
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        if self.embed_tokens is not None:
+            nn.init.normal_(self.embed_tokens.weight, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std)
+            _rescale_outputs(layer, out_std)
+        for m in self.mtp:
+            m.init_weights(std)
+            _rescale_outputs(m.block, out_std)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=self.args.dim**-0.5)
+        self.init_buffers(device)
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """Recompute the non-persistent buffers (RoPE), which `to_empty` leaves uninitialized."""
+        inv_freq, self.rope_attn_factor = rope_inv_freq(self.args)
+        self.rope_inv_freq = inv_freq.to(device or self.rope_inv_freq.device)
+
+
+def _init_linear(lin: nn.Linear, std: float) -> None:
+    nn.init.normal_(lin.weight, std=std)
+    if lin.bias is not None:
+        nn.init.zeros_(lin.bias)
+
+
+def _rescale_outputs(block: Block, out_std: float) -> None:
+    nn.init.normal_(block.self_attn.o_proj.weight, std=out_std)
+    mlp = block.mlp
+    if isinstance(mlp, MoE):
+        nn.init.normal_(mlp.experts.down_proj, std=out_std)
+        if mlp.shared_experts is not None:
+            nn.init.normal_(mlp.shared_experts.down_proj.weight, std=out_std)
+    else:
+        nn.init.normal_(mlp.down_proj.weight, std=out_std)
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "meta", dtype: torch.dtype | None = None) -> Transformer:
+    """Build on the meta device (no memory), then, if a real device is given, allocate and initialize there.
+    Distributed code stops at meta, parallelizes, and calls `to_empty` + `init_weights` itself."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if str(device) != "meta":
+        model.to_empty(device=device)
+        if dtype is not None:
+            model.to(dtype)
+        model.init_weights(device=torch.device(device))
+        _keep_fp32_buffers(model)
+    return model
+
+
+def _keep_fp32_buffers(model: nn.Module) -> None:
+    # The routing bias stays fp32 (as in the hub checkpoints): bf16 would round away its small updates.
+    for m in model.modules():
+        if isinstance(m, Gate) and m.e_score_correction_bias is not None:
+            m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
