@@ -291,6 +291,7 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(args.dim, args.moe_inter_dim * args.n_shared_experts) if args.n_shared_experts else None
         )
+        self.use_grouped_mm: bool | None = None  # None: torch._grouped_mm where the GPU supports it; False: the loop
         # Tokens routed to each expert in the last forward (load telemetry and V3's balancing rule read it).
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts), persistent=False)
 
@@ -304,7 +305,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts_E)
         token_of_slot = order // self.top_k
-        y_MD = self.experts(x_ND[token_of_slot], counts_E)
+        y_MD = self.experts(x_ND[token_of_slot], counts_E, self.use_grouped_mm)
         y_MD = (y_MD.float() * weights_NK.reshape(-1)[order, None]).to(x_ND.dtype)
         out_ND = torch.zeros_like(x_ND).index_add_(0, token_of_slot, y_MD)
         if self.shared_experts is not None:

@@ -1,0 +1,134 @@
+"""The `paraseek` command. Thin: parse, call one function, print. User mistakes exit 2 with one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from paraseek.errors import UserError
+
+
+def _model_summary(spec: str, seq_len: int) -> dict[str, Any]:
+    from paraseek.models import flops_per_token, param_counts, resolve_model
+    from paraseek.models.stats import attention_flops_per_token
+
+    args, _, folder = resolve_model(spec)
+    c = param_counts(args)
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    if args.is_mla:
+        attention = f"MLA (q_lora {args.q_lora_rank or 'none'}, kv_lora {args.kv_lora_rank}, qk {args.qk_head_dim}, v {args.v_head_dim})"
+    elif args.n_kv_heads < args.n_heads:
+        attention = f"GQA ({args.n_heads} heads, {args.n_kv_heads} kv heads, head dim {args.head_dim})"
+    else:
+        attention = f"MHA ({args.n_heads} heads, head dim {args.head_dim})"
+    summary: dict[str, Any] = {
+        "model": spec,
+        "source": str(folder) if folder else "preset",
+        "model_type": args.model_type,
+        "total_params": c.total,
+        "active_params": c.active,
+        "embedding_params": c.embedding,
+        "mtp_params": c.mtp,
+        "n_layers": args.n_layers,
+        "dense_layers": args.n_layers - n_moe,
+        "moe_layers": n_moe,
+        "hidden_size": args.dim,
+        "vocab_size": args.vocab_size,
+        "attention": attention,
+        "rope": args.rope_type if args.rope_type == "default" else f"{args.rope_type} x{args.rope_factor:g}",
+        "max_seq_len": args.max_seq_len,
+        "seq_len": seq_len,
+        "flops_per_token": flops_per_token(args, seq_len),
+        "attention_flops_per_token": attention_flops_per_token(args, seq_len),
+    }
+    if args.n_routed_experts:
+        summary["experts"] = (
+            f"{args.n_shared_experts} shared + {args.n_activated_experts} of {args.n_routed_experts} routed "
+            f"(width {args.moe_inter_dim}, {args.score_func}, {args.topk_method}"
+            + (f", {args.topk_group} of {args.n_group} groups" if args.n_group > 1 else "") + ")"
+        )
+    return summary
+
+
+def cmd_info(ns: argparse.Namespace) -> int:
+    summary = _model_summary(ns.model, ns.seq_len)
+    if ns.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{ns.model}", show_header=False)
+    for key, value in summary.items():
+        if isinstance(value, int) and key.endswith(("params", "per_token")):
+            value = f"{value:,} ({value / 1e9:.2f} B)" if value >= 1e8 else f"{value:,}"
+        table.add_row(key, str(value))
+    Console().print(table)
+    return 0
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    """Until the training engine lands: build tiny-moe on the meta device, initialize, run forward + backward."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from paraseek.models import build_model, resolve_model
+
+    cmd_info(argparse.Namespace(model=ns.model, seq_len=ns.seq_len, json=False))
+    args, _, _ = resolve_model(ns.model)
+    torch.manual_seed(0)
+    model = build_model(args, "cpu", torch.float32)
+    ids = torch.randint(0, args.vocab_size, (4, ns.seq_len + 1))
+    t0 = time.perf_counter()
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    dt = time.perf_counter() - t0
+    print(f"forward+backward of {ns.model} on {tuple(ids[:, :-1].shape)} tokens: logits {tuple(logits.shape)}, "
+          f"loss {loss.item():.4f} (ln V = {torch.log(torch.tensor(float(args.vocab_size))):.4f}), {dt * 1e3:.0f} ms")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="paraseek",
+        description="DeepSeek-family models on many GPUs: model summaries and exact counts (more subcommands land "
+        "as they work).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = sub.add_parser("info", help="architecture summary, exact parameter counts and FLOPs per token",
+                          description="Summarize a preset or an HF model folder: total/active/embedding parameters "
+                          "(exact), layer counts, and training FLOPs per token at --seq-len "
+                          "(6 x active non-embedding params + attention).")
+    info.add_argument("model", help="a preset name (e.g. deepseek-v3, tiny-moe) or an HF model folder with config.json")
+    info.add_argument("--seq-len", type=int, default=4096, help="sequence length for the attention FLOPs (default 4096)")
+    info.add_argument("--json", action="store_true", help="print one JSON document")
+    info.set_defaults(func=cmd_info)
+
+    demo = sub.add_parser("demo", help="the quick-start job (`make demo`)",
+                          description="Summarize tiny-moe, build it on the meta device, initialize it and run a "
+                          "forward and backward pass on CPU.")
+    demo.add_argument("--model", default="tiny-moe")
+    demo.add_argument("--seq-len", type=int, default=64)
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if getattr(ns, "seq_len", 1) is not None and getattr(ns, "seq_len", 1) <= 0:
+        parser.exit(2, f"paraseek: error: --seq-len must be positive, got {ns.seq_len}\n")
+    try:
+        return ns.func(ns)
+    except UserError as e:
+        print(f"paraseek: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("paraseek: interrupted", file=sys.stderr)
+        return 130
