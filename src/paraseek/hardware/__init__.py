@@ -1,0 +1,1 @@
+"""GPUs and links: datasheet specs, NVML inventory, measurements and the doctor."""
