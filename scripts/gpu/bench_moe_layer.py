@@ -23,7 +23,6 @@ import argparse
 import copy
 import datetime
 import json
-import math
 import os
 import platform
 import statistics

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON document")
     info.set_defaults(func=cmd_info)
 
+    from paraseek.train.launch import register as register_train
+
+    register_train(sub)
+
     demo = sub.add_parser("demo", help="the quick-start job (`make demo`)",
                           description="Summarize tiny-moe, build it on the meta device, initialize it and run a "
                           "forward and backward pass on CPU.")

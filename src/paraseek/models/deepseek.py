@@ -293,7 +293,8 @@ class MoE(nn.Module):
         )
         self.use_grouped_mm: bool | None = None  # None: torch._grouped_mm where the GPU supports it; False: the loop
         # Tokens routed to each expert in the last forward (load telemetry and V3's balancing rule read it).
-        self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts), persistent=False)
+        # int64: a float buffer would be cast to bf16 with the model and lose counts above 256.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape
@@ -306,8 +307,11 @@ class MoE(nn.Module):
             self.tokens_per_expert.copy_(counts_E)
         token_of_slot = order // self.top_k
         y_MD = self.experts(x_ND[token_of_slot], counts_E, self.use_grouped_mm)
-        y_MD = (y_MD.float() * weights_NK.reshape(-1)[order, None]).to(x_ND.dtype)
-        out_ND = torch.zeros_like(x_ND).index_add_(0, token_of_slot, y_MD)
+        # Back to token-major slot order (a permutation: no atomics), then the weighted sum over the K experts in
+        # fp32 -- deterministic, unlike index_add_, and as precise as transformers' fp32 combine.
+        y_slots = torch.empty_like(y_MD)
+        y_slots[order] = y_MD
+        out_ND = (y_slots.view(-1, self.top_k, y_MD.shape[-1]).float() * weights_NK.unsqueeze(-1)).sum(1).to(x_ND.dtype)
         if self.shared_experts is not None:
             out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND.view(shape)

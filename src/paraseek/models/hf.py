@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs, read_hf_config
@@ -53,14 +55,13 @@ def hub_to_ours(key: str, n_layers: int) -> tuple[str, int | None] | None:
     return f"{prefix}.{rest}", None
 
 
-def ours_to_hub(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+def ours_to_hub(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
     """(hub name, tensor) for every tensor of the hub format, experts split, MTP copies written out."""
-    args = model.args
-    for name, t in model.state_dict().items():
+    own = {v: k for k, v in _MTP_OWN.items()}
+    for name, t in state.items():
         if name.startswith("mtp."):
             k, rest = name.split(".", 2)[1:]
             hub_prefix = f"model.layers.{args.n_layers + int(k)}"
-            own = {v: kk for kk, v in _MTP_OWN.items()}
             if rest in own:
                 yield f"{hub_prefix}.{own[rest]}", t
                 continue
@@ -80,10 +81,11 @@ def ours_to_hub(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{hub_prefix}.mlp.experts.{e}.{proj}.weight", t[e]
         else:
             yield f"{hub_prefix}.{rest}", t
+    head = state["embed_tokens.weight"] if args.tie_embeddings else state["lm_head.weight"]
     for k in range(args.n_mtp_layers):
         hub_prefix = f"model.layers.{args.n_layers + k}"
-        yield f"{hub_prefix}.embed_tokens.weight", model.embed_tokens.weight
-        yield f"{hub_prefix}.shared_head.head.weight", model.output_weight()
+        yield f"{hub_prefix}.embed_tokens.weight", state["embed_tokens.weight"]
+        yield f"{hub_prefix}.shared_head.head.weight", head
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -151,11 +153,11 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         scale_key = key + "_scale_inv"
         if scale_key in files:
             src = dequantize_fp8(src, opened.get(files[scale_key], scale_key), block)
-        dst = targets[name] if expert is None else targets[name][expert]
-        if tuple(src.shape) != tuple(dst.shape):
-            raise UserError(f"{path.name}: tensor {key!r} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(src)
+        dst = targets[name]
+        want = tuple(dst.shape) if expert is None else tuple(dst.shape[1:])
+        if tuple(src.shape) != want:
+            raise UserError(f"{path.name}: tensor {key!r} has shape {tuple(src.shape)}, the config implies {want}")
+        _copy_into(dst, src, expert)
         filled.add((name, expert))
     missing = sorted(expected - filled, key=str)
     if missing:
@@ -163,6 +165,22 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         what = name if expert is None else f"{name}[expert {expert}]"
         raise UserError(f"{folder}: the checkpoint lacks {what}{more}")
+
+
+@torch.no_grad()
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, expert: int | None) -> None:
+    """Copy the part of the full tensor `src` (expert row `expert` of a stacked tensor, if given) that this rank
+    holds: all of it for a plain tensor, the local shard for a DTensor (FSDP2/TP), with no communication."""
+    if not isinstance(dst, DTensor):
+        (dst if expert is None else dst[expert]).copy_(src)
+        return
+    shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
+    local = dst.to_local()
+    if expert is not None:
+        if not offset[0] <= expert < offset[0] + shape[0]:
+            return
+        local, shape, offset = local[expert - offset[0]], shape[1:], offset[1:]
+    local.copy_(src[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
 def load_pretrained(
@@ -194,16 +212,23 @@ def load_pretrained(
 
 def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write an HF folder transformers loads: hub config.json, safetensors (sharded with an index past
-    max_shard_bytes), per-expert weights as the hub stores them."""
+    max_shard_bytes), per-expert weights as the hub stores them. A sharded (DTensor) model is gathered."""
+    save_hf_state({n: _full(t) for n, t in model.state_dict().items()}, model.args, path, max_shard_bytes=max_shard_bytes)
+
+
+def save_hf_state(
+    state: dict[str, torch.Tensor], args: ModelArgs, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """Write a full (unsharded) paraseek state dict as an HF folder."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    dtype = next(model.parameters()).dtype
-    cfg = model.args.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))
+    dtype = state["embed_tokens.weight"].dtype
+    cfg = args.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
     plan: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
-    for name, t in ours_to_hub(model):
+    for name, t in ours_to_hub(state, args):
         nbytes = t.numel() * t.element_size()
         if plan[-1] and size + nbytes > max_shard_bytes:
             plan.append([])
@@ -216,8 +241,8 @@ def save_pretrained(model: Transformer, path: str | Path, *, max_shard_bytes: in
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(plan):
         fname = "model.safetensors" if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-        # Own storage per tensor (safetensors refuses shared storage); a DTensor is gathered first.
-        tensors = {n: _full(t).detach().to("cpu").clone().contiguous() for n, t in shard}
+        # Own storage per tensor: safetensors refuses tensors that share memory (stacked experts, tied copies).
+        tensors = {n: t.detach().to("cpu").clone().contiguous() for n, t in shard}
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update({n: fname for n in tensors})

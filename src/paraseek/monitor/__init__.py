@@ -1,0 +1,1 @@
+"""Run monitoring: metrics to console, JSONL and TensorBoard."""

@@ -1,0 +1,71 @@
+"""Per-step metrics from rank 0: a console line with ETA, JSONL (schema in DESIGN.md) and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+# Metrics that go to TensorBoard as scalars (the JSONL gets everything).
+_TB_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s")
+
+
+class MetricsLogger:
+    def __init__(self, *, enabled: bool, total_steps: int, jsonl: str = "", tensorboard: str = "", log_every: int = 1):
+        self.enabled, self.total_steps, self.log_every = enabled, total_steps, max(1, log_every)
+        self.jsonl = None
+        self.tb = None
+        self.t_start = time.perf_counter()
+        self.first_step: int | None = None
+        if not enabled:
+            return
+        if jsonl:
+            Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(jsonl, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tensorboard)
+
+    def event(self, kind: str, step: int, rank: int | None = None, detail: str = "", **extra: Any) -> None:
+        if self.enabled and self.jsonl:
+            self.jsonl.write(json.dumps({"event": kind, "step": step, "rank": rank, "detail": detail, **extra}) + "\n")
+
+    def step(self, m: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = m["step"]
+        if self.first_step is None:
+            self.first_step, self.t_first = step, time.perf_counter() - m["step_time_s"]
+        if self.jsonl:
+            self.jsonl.write(json.dumps(m) + "\n")
+        if self.tb:
+            for key in _TB_KEYS:
+                if m.get(key) is not None:
+                    self.tb.add_scalar(f"train/{key}", m[key], step)
+        if step % self.log_every == 0 or step == self.total_steps:
+            done = step - self.first_step + 1
+            elapsed = time.perf_counter() - self.t_first
+            eta = elapsed / done * (self.total_steps - step)
+            mfu = f" | MFU {m['mfu'] * 100:5.1f}%" if m.get("mfu") is not None else ""
+            print(
+                f"step {step:>5}/{self.total_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
+                f"lr {m['lr']:.2e} | {m['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu} | mem {m['mem_peak_gib']:.2f} GiB | "
+                f"{m['step_time_s'] * 1e3:,.0f} ms | ETA {_fmt(eta)}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+def _fmt(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

@@ -1,0 +1,98 @@
+"""The parallelize order, applied to a model still on the meta device (TorchTitan's order):
+activation checkpointing -> torch.compile per block -> FSDP2 per block + root (or DDP after materializing).
+Tensor/expert/pipeline parallelism slot in before checkpointing (see DESIGN.md)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from paraseek.models.deepseek import Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """One named mesh. dp_replicate is the outer (slow-link) dimension, dp_shard the inner one, so a node's ranks
+    share a shard group and HSDP reduce-scatters inside the node and all-reduces across nodes."""
+    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+# Ops whose outputs selective checkpointing keeps: the matmuls and attention (costly to recompute); everything
+# elementwise (norms, SiLU, RoPE, residual adds) is recomputed in the backward pass.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """full: keep only each block's input; selective: keep matmul/attention outputs, recompute the rest."""
+    if mode == "none":
+        return
+    for key, block in list(model.layers.items()):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(
+                block, preserve_rng_state=False,
+                context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy),
+            )
+        model.layers[key] = wrapped
+
+
+def apply_compile(model: Transformer) -> None:
+    """torch.compile each block in place (module.compile keeps parameter names, so checkpoints don't change)."""
+    for block in model.layers.values():
+        block.compile()
+
+
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, precision: str, reshard_after_forward: bool, cpu_offload: bool) -> None:
+    """FSDP2 per block, then the root (embedding, final norm, head). With dp_replicate > 1 the 2-D mesh makes it HSDP.
+    Mixed precision: compute in `precision`, keep fp32 master weights, reduce gradients in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    kw = dict(mesh=dp_mesh, mp_policy=mp)
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block is resharded by the root's backward anyway; keeping it gathered saves one all-gather.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+    for mtp in model.mtp:
+        fully_shard(mtp, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device, grad_compression: str) -> nn.Module:
+    """DDP over the replicate dimension (after materializing), with torch's bf16 or PowerSGD communication hooks."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    group = mesh["dp_replicate"].get_group()
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
+        broadcast_buffers=False,
+    )
+    if grad_compression == "bf16":
+        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    elif grad_compression.startswith("powersgd:"):
+        rank = int(grad_compression.split(":")[1])
+        # Error feedback on, warm-start on: torch's defaults; start compressing after 10 plain iterations.
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=10)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp

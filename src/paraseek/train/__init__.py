@@ -1,0 +1,1 @@
+"""Training: the run config, the data pipeline and the loop."""

@@ -1,0 +1,190 @@
+"""The run configuration of `paraseek train`: one flat dataclass, filled from a TOML file and the command line
+(the command line wins), validated before anything starts or is written."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from paraseek.errors import UserError
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny-moe"  # preset name or HF folder
+    device: str = ""  # cpu | cuda; "" = cuda when available
+    nproc: int = 0  # processes on this node; 0 = one per GPU (4 on CPU)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""  # HOST:PORT of node 0 for multi-node runs
+    dp_replicate: int = 1  # replicas (DDP alone; with dp_shard > 1: HSDP's all-reduce dimension, across nodes)
+    dp_shard: int = -1  # FSDP2 sharding degree; -1 = whatever the world size leaves
+    reshard_after_forward: bool = True  # False keeps gathered params between forward and backward (ZeRO-2-like)
+    steps: int = 100
+    seq_len: int = 2048
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 1  # sequences per forward/backward on one rank
+    data: str = "synthetic"  # synthetic | a .txt/.jsonl/.parquet file or a folder of them
+    tokenizer: str = ""  # an HF tokenizer.json; "" = the bundled one
+    precision: str = ""  # fp32 | bf16 | fp16; "" = bf16 on CUDA, fp32 on CPU
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"  # cosine | linear | constant (after warm-up)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    seed: int = 0
+    activation_checkpointing: str = "none"  # none | full | selective
+    cpu_offload: bool = False
+    compile: bool = False
+    grad_compression: str = "none"  # none | bf16 | powersgd:RANK (DDP only)
+    metrics_jsonl: str = ""
+    tensorboard: str = ""
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0  # 0 = only at the end (when checkpoint_dir is set)
+    resume: bool = False
+    init_from: str = ""  # an HF folder to start from
+    export_hf: str = ""  # write an HF folder at the end
+    log_every: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+
+_CHOICES = {
+    "device": ("cpu", "cuda"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "lr_schedule": ("cosine", "linear", "constant"),
+    "activation_checkpointing": ("none", "full", "selective"),
+}
+_HELP = {
+    "model": "preset name (paraseek info lists them) or an HF model folder",
+    "nproc": "processes on this node (default: one per GPU; 4 on CPU)",
+    "dp_shard": "FSDP2 sharding degree (-1: the world size divided by the other degrees)",
+    "dp_replicate": "data-parallel replicas: DDP when dp-shard is 1, else HSDP (all-reduce across replicas)",
+    "data": "'synthetic' or a .txt/.jsonl/.parquet file or folder of them",
+    "grad_compression": "DDP gradient compression: none, bf16, or powersgd:RANK",
+    "checkpoint_every": "write a checkpoint every K steps (and at the end) into --checkpoint-dir",
+    "resume": "continue from the newest checkpoint in --checkpoint-dir",
+    "init_from": "start from the weights of this HF folder (loaded shard by shard)",
+    "export_hf": "write the trained model as an HF folder transformers loads",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per field, all defaulting to None so that only what was typed overrides the TOML file."""
+    p.add_argument("--config", help="a TOML file with the same keys (dashes or underscores); flags override it")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_ = _HELP.get(f.name, "") + (f" (default: {f.default!r})" if f.default not in ("", -1) else "")
+        if f.type == "bool":
+            p.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
+        else:
+            kind = {"int": int, "float": float}.get(f.type, str)
+            p.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(f.name), help=help_)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def from_namespace(ns: argparse.Namespace) -> TrainConfig:
+    values: dict[str, Any] = {}
+    if ns.config:
+        path = Path(ns.config)
+        if not path.is_file():
+            raise UserError(f"--config {path}: no such file")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"--config {path}: not valid TOML ({e})") from None
+        names = {f.name for f in dataclasses.fields(TrainConfig)}
+        for key, value in raw.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                raise UserError(f"--config {path}: unknown key {key!r}")
+            values[name] = value
+    for f in dataclasses.fields(TrainConfig):
+        if getattr(ns, f.name, None) is not None:
+            values[f.name] = getattr(ns, f.name)
+    return TrainConfig(**values)
+
+
+def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> TrainConfig:
+    """Fill the "auto" fields from the machine."""
+    cfg = dataclasses.replace(cfg)
+    if not cfg.device:
+        cfg.device = "cuda" if cuda_available else "cpu"
+    if not cfg.precision:
+        cfg.precision = "bf16" if cfg.device == "cuda" else "fp32"
+    if cfg.nproc <= 0:
+        cfg.nproc = gpu_count if cfg.device == "cuda" else 4
+    if cfg.dp_shard == -1 and cfg.dp_replicate > 0 and cfg.world_size % cfg.dp_replicate == 0:
+        cfg.dp_shard = cfg.world_size // cfg.dp_replicate
+    return cfg
+
+
+def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
+    """Every check that can fail on user input, before a process is launched or a file written."""
+    if cfg.device == "cuda" and not cuda_available:
+        raise UserError("--device cuda: no CUDA device is visible (use --device cpu, or check the driver)")
+    if cfg.device == "cuda" and cfg.nproc > gpu_count:
+        raise UserError(f"--nproc {cfg.nproc} but this node has {gpu_count} GPU(s)")
+    for name in ("nproc", "nnodes", "steps", "seq_len", "global_batch_size", "micro_batch_size", "dp_replicate", "dp_shard"):
+        if getattr(cfg, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.dp_replicate * cfg.dp_shard != cfg.world_size:
+        raise UserError(
+            f"--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard} = {cfg.dp_replicate * cfg.dp_shard}, "
+            f"but the world size is {cfg.world_size} ({cfg.nnodes} node(s) x {cfg.nproc} processes)"
+        )
+    per_step = cfg.micro_batch_size * cfg.dp_size
+    if cfg.global_batch_size % per_step:
+        raise UserError(
+            f"--global-batch-size {cfg.global_batch_size} is not divisible by micro-batch {cfg.micro_batch_size} x "
+            f"data-parallel size {cfg.dp_size} = {per_step}"
+        )
+    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
+        raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if cfg.grad_compression != "none":
+        if not (cfg.grad_compression == "bf16" or _powersgd_rank(cfg.grad_compression)):
+            raise UserError(f"--grad-compression {cfg.grad_compression!r}: expected none, bf16 or powersgd:RANK")
+        if cfg.dp_shard != 1:
+            raise UserError("--grad-compression needs DDP (--dp-shard 1); FSDP2 reduce-scatters uncompressed")
+    if cfg.cpu_offload and cfg.device != "cuda":
+        raise UserError("--cpu-offload moves GPU state to host memory; on --device cpu there is nothing to offload")
+    if cfg.cpu_offload and cfg.dp_shard == 1 and cfg.dp_replicate > 1:
+        raise UserError("--cpu-offload needs FSDP2 (--dp-shard > 1 or a single process), not DDP")
+    if cfg.precision == "fp16" and cfg.device == "cpu":
+        raise UserError("--precision fp16 is for GPUs without bf16; on CPU use fp32 or bf16")
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise UserError("--resume needs --checkpoint-dir")
+    if cfg.data != "synthetic" and not Path(cfg.data).exists():
+        raise UserError(f"--data {cfg.data}: no such file or folder")
+    if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
+        raise UserError(f"--init-from {cfg.init_from}: not an HF folder (no config.json)")
+    if cfg.tokenizer and not Path(cfg.tokenizer).exists():
+        raise UserError(f"--tokenizer {cfg.tokenizer}: no such file")
+
+
+def _powersgd_rank(text: str) -> int:
+    if text.startswith("powersgd:") and text[len("powersgd:"):].isdigit() and int(text[len("powersgd:"):]) > 0:
+        return int(text[len("powersgd:"):])
+    return 0

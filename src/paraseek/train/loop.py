@@ -1,0 +1,229 @@
+"""The training loop, run in every worker process (torch.distributed, launched by torch's launcher).
+
+Loss normalization makes every data-parallel layout compute the same thing: rank r minimizes
+sum(token losses on r) / (tokens per rank per step); FSDP/DDP average gradients over the dp ranks, so the update
+is that of mean(token losses over the global batch) -- identical to one process with gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+import statistics
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from paraseek.errors import UserError
+from paraseek.hardware.specs import peak_flops
+from paraseek.models import flops_per_token, param_counts, resolve_model
+from paraseek.models.deepseek import Transformer
+from paraseek.models.hf import load_state_into, save_hf_state
+from paraseek.monitor.metrics import MetricsLogger
+from paraseek.parallel.apply import DTYPES, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp, build_mesh
+from paraseek.train.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from paraseek.train.config import TrainConfig
+from paraseek.train.data import DataLoader, open_dataset
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to cfg.lr over warmup_steps, then cosine/linear decay to lr * min_lr_ratio, or constant."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(1, cfg.warmup_steps)
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.lr_schedule == "linear":
+        return floor + (cfg.lr - floor) * (1 - progress)
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm over all (possibly sharded) gradients, then clip. For DTensor grads the per-shard norms are
+    combined across ranks (full_tensor), so the norm is that of the whole model on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def train(cfg: TrainConfig) -> int:
+    # DTensor warns that its RNG tracker doesn't cover CPU meshes; we seed shards ourselves (see _train).
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        return _train(cfg, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (process RSS peak)
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    is_main = rank == 0
+    mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard)
+    shard_rank = mesh["dp_shard"].get_local_rank()
+    dp_rank = mesh["dp_replicate"].get_local_rank() * cfg.dp_shard + shard_rank
+    args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    use_ddp = cfg.dp_replicate > 1 and cfg.dp_shard == 1
+
+    dataset = open_dataset(cfg.data, seq_len=cfg.seq_len, vocab_size=args.vocab_size, tokenizer=cfg.tokenizer or None,
+                           seed=cfg.seed)
+    loader = DataLoader(dataset, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
+                        dp_rank=dp_rank, dp_size=cfg.dp_size)
+
+    # meta -> parallelize -> materialize -> init or load (no rank ever holds the whole model)
+    with torch.device("meta"):
+        model = Transformer(args)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
+    if not use_ddp:
+        apply_fsdp(model, mesh, cfg.precision, cfg.reshard_after_forward, cfg.cpu_offload)
+    model.to_empty(device="cpu" if cfg.cpu_offload else device)
+    if cfg.init_from:
+        load_state_into(model, cfg.init_from)
+        model.init_buffers(device)
+    else:
+        # Shards differ, replicas agree: seed by the shard coordinate.
+        torch.manual_seed(cfg.seed + shard_rank)
+        model.init_weights(device=device)
+    torch.manual_seed(cfg.seed)
+    inner = model
+    if use_ddp:
+        model = apply_ddp(model, mesh, device, cfg.grad_compression)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
+                                  fused=device.type == "cuda" and not cfg.cpu_offload,
+                                  foreach=None if device.type == "cuda" and not cfg.cpu_offload else True)
+    scaler = torch.amp.GradScaler("cuda") if cfg.precision == "fp16" else None
+    # DDP has no mixed-precision policy of its own: autocast keeps fp32 master weights and bf16/fp16 compute.
+    autocast = (torch.autocast(device.type, dtype=DTYPES[cfg.precision])
+                if use_ddp and cfg.precision != "fp32" else nullcontext())
+
+    start_step = 0
+    if cfg.resume:
+        path = latest_checkpoint(cfg.checkpoint_dir)
+        if path is None:
+            if is_main:
+                print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from step 0", flush=True)
+        else:
+            state = load_checkpoint(path, inner, optimizer)
+            start_step = state["step"]
+            loader.load_state_dict(state["data"])
+            if is_main:
+                print(f"resumed from {path} at step {start_step}", flush=True)
+    if start_step == 0:
+        loader.load_state_dict({"position": 0})
+
+    counts = param_counts(args)
+    flops_tok = flops_per_token(args, cfg.seq_len)
+    peak = peak_flops(torch.cuda.get_device_name(device), cfg.precision) if device.type == "cuda" else None
+    tokens_per_step = cfg.global_batch_size * cfg.seq_len
+    tokens_per_rank_step = tokens_per_step // cfg.dp_size
+    logger = MetricsLogger(enabled=is_main, total_steps=cfg.steps, jsonl=cfg.metrics_jsonl,
+                           tensorboard=cfg.tensorboard, log_every=cfg.log_every)
+    if is_main:
+        plan = "DDP" if use_ddp else ("HSDP" if cfg.dp_replicate > 1 else "FSDP2")
+        print(f"paraseek train: {cfg.model} ({counts.total / 1e6:,.1f} M params, {counts.active / 1e6:,.1f} M active) | "
+              f"{world} x {device.type} | {plan} dp_replicate={cfg.dp_replicate} dp_shard={cfg.dp_shard} | "
+              f"{cfg.precision} | global batch {cfg.global_batch_size} x {cfg.seq_len} tokens "
+              f"(micro {cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}) | AC {cfg.activation_checkpointing}"
+              f"{' | compile' if cfg.compile else ''}", flush=True)
+
+    step_times: list[float] = []
+    losses: list[float] = []
+    metrics: dict = {}
+    t_run = time.perf_counter()
+    for step in range(start_step + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = loader.next_step()
+        loss_sum = torch.zeros((), device=device)
+        for i, (inputs, labels) in enumerate(micro_batches):
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            last = i == len(micro_batches) - 1
+            with (model.no_sync() if use_ddp and not last else nullcontext()), autocast:
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                loss = loss / tokens_per_rank_step
+            (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += loss.detach()
+            del logits, loss
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(params, cfg.grad_clip)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / cfg.dp_size
+        if not math.isfinite(loss_value):
+            if is_main:
+                logger.event("nan", step, detail=f"loss is {loss_value}")
+            raise UserError(f"the loss became {loss_value} at step {step}; lower --lr or check the data")
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        losses.append(loss_value)
+        tps = tokens_per_step / dt
+        metrics = {
+            "step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
+            "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
+            "mfu": flops_tok * tps / world / peak if peak else None,
+            "mem_peak_gib": _peak_memory_gib(device), "step_time_s": dt,
+        }
+        if scaler:
+            metrics["loss_scale"] = scaler.get_scale()
+        logger.step(metrics)
+        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
+            path = save_checkpoint(cfg.checkpoint_dir, step, inner, optimizer,
+                                   {"data": loader.state_dict(), "config": dataclasses.asdict(cfg)})
+            if is_main:
+                print(f"checkpoint: {path}", flush=True)
+
+    if cfg.export_hf:
+        state = full_model_state(inner)
+        if is_main:
+            save_hf_state(state, args, cfg.export_hf)
+            print(f"exported an HF folder to {Path(cfg.export_hf).resolve()}", flush=True)
+        dist.barrier()
+    logger.close()
+    if is_main and losses:
+        steady = step_times[1:] or step_times
+        median = statistics.median(steady)
+        tps_gpu = tokens_per_step / median / world
+        mfu = f", MFU {flops_tok * tps_gpu / peak * 100:.1f}%" if peak else ""
+        print(f"done: {len(losses)} steps in {time.perf_counter() - t_run:.1f} s | loss {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f} | median step {median * 1e3:,.0f} ms, {tps_gpu:,.0f} tokens/s/{device.type}{mfu} | "
+              f"peak memory {metrics['mem_peak_gib']:.2f} GiB", flush=True)
+    return 0

@@ -1,0 +1,45 @@
+"""Run `paraseek train` as a user would (a subprocess through torch's launcher) and read its metrics back."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+# The training-issue settings for exact comparisons: fp32, constant lr 0.01, no warm-up.
+EXACT = ["--device", "cpu", "--precision", "fp32", "--lr", "0.01", "--lr-schedule", "constant", "--warmup-steps", "0",
+         "--data", "synthetic", "--seq-len", "32", "--global-batch-size", "8"]
+
+
+def run_train(*argv: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC, PARASEEK_CACHE=str(cwd / "cache"))
+    r = subprocess.run([sys.executable, "-m", "paraseek", "train", *argv], capture_output=True, text=True, env=env,
+                       cwd=cwd, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"paraseek train failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def step_losses(jsonl: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "event" not in r}
+
+
+def seed_checkpoint(model: str, folder: Path) -> Path:
+    """One random initialization saved as an HF folder, so every plan starts from the same weights."""
+    from paraseek.models import build_model, resolve_model, save_pretrained
+
+    if not (folder / "config.json").exists():
+        args, _, _ = resolve_model(model)
+        torch.manual_seed(1234)
+        save_pretrained(build_model(args, "cpu", torch.float32), folder)
+    return folder
+
+
+def assert_same_losses(got: dict[int, float], ref: dict[int, float], rtol: float) -> None:
+    assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
+    for step in ref:
+        assert abs(got[step] - ref[step]) <= rtol * abs(ref[step]), (step, got[step], ref[step])
