@@ -70,27 +70,25 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    """Until the training engine lands: build tiny-moe on the meta device, initialize, run forward + backward."""
-    import time
-
+    """The quick-start job: train on the bundled public-domain corpus with a hybrid data-parallel plan.
+    CPU: tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes as HSDP 2 x 2. CUDA: a real preset on all GPUs."""
     import torch
-    import torch.nn.functional as F
 
-    from paraseek.models import build_model, resolve_model
+    from paraseek.train.data import BUNDLED_CORPUS
 
-    cmd_info(argparse.Namespace(model=ns.model, seq_len=ns.seq_len, json=False))
-    args, _, _ = resolve_model(ns.model)
-    torch.manual_seed(0)
-    model = build_model(args, "cpu", torch.float32)
-    ids = torch.randint(0, args.vocab_size, (4, ns.seq_len + 1))
-    t0 = time.perf_counter()
-    logits = model(ids[:, :-1])
-    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    dt = time.perf_counter() - t0
-    print(f"forward+backward of {ns.model} on {tuple(ids[:, :-1].shape)} tokens: logits {tuple(logits.shape)}, "
-          f"loss {loss.item():.4f} (ln V = {torch.log(torch.tensor(float(args.vocab_size))):.4f}), {dt * 1e3:.0f} ms")
-    return 0
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        argv = ["train", "--model", "deepseek-r1-distill-qwen-1.5b", "--device", "cuda", "--nproc", str(gpus),
+                "--seq-len", "2048", "--global-batch-size", str(8 * gpus), "--micro-batch-size", "4",
+                "--steps", str(ns.steps or 100), "--lr", "1e-3", "--warmup-steps", "10", "--log-every", "10"]
+    else:
+        argv = ["train", "--model", "tiny-moe", "--device", "cpu", "--nproc", "4", "--dp-replicate", "2",
+                "--dp-shard", "2", "--seq-len", "128", "--global-batch-size", "16", "--micro-batch-size", "4",
+                "--steps", str(ns.steps or 300), "--lr", "3e-3", "--warmup-steps", "20", "--log-every", "20"]
+    argv += ["--data", str(BUNDLED_CORPUS), "--metrics-jsonl", "runs/demo/metrics.jsonl",
+             "--tensorboard", "runs/demo/tb", "--checkpoint-dir", "runs/demo/checkpoints"]
+    print("paraseek demo: " + " ".join(["paraseek", *argv]), flush=True)
+    return main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,11 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_train(sub)
 
-    demo = sub.add_parser("demo", help="the quick-start job (`make demo`)",
-                          description="Summarize tiny-moe, build it on the meta device, initialize it and run a "
-                          "forward and backward pass on CPU.")
-    demo.add_argument("--model", default="tiny-moe")
-    demo.add_argument("--seq-len", type=int, default=64)
+    demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus",
+                          description="CPU: trains tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes with HSDP 2x2 "
+                          "on the bundled corpus. GPU: trains deepseek-r1-distill-qwen-1.5b on all GPUs with FSDP2. "
+                          "Metrics, TensorBoard and checkpoints go to runs/demo/.")
+    demo.add_argument("--steps", type=int, default=0, help="optimizer steps (default 300 on CPU, 100 on GPU)")
     demo.set_defaults(func=cmd_demo)
     return p
 

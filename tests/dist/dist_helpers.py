@@ -29,13 +29,23 @@ def step_losses(jsonl: Path) -> dict[int, float]:
 
 
 def seed_checkpoint(model: str, folder: Path) -> Path:
-    """One random initialization saved as an HF folder, so every plan starts from the same weights."""
+    """One random initialization saved as an HF folder, so every plan starts from the same weights.
+
+    The router weights get std 1 instead of 0.02: with near-uniform initial scores, a 1e-7 difference in the order
+    of a gradient reduction can flip one token's top-k expert and move the loss by ~1e-4 a few steps later. A
+    decisive router keeps top-k choices away from ties, so the comparison measures the plan, not a coin flip."""
     from paraseek.models import build_model, resolve_model, save_pretrained
+    from paraseek.models.deepseek import Gate
 
     if not (folder / "config.json").exists():
         args, _, _ = resolve_model(model)
         torch.manual_seed(1234)
-        save_pretrained(build_model(args, "cpu", torch.float32), folder)
+        built = build_model(args, "cpu", torch.float32)
+        with torch.no_grad():
+            for m in built.modules():
+                if isinstance(m, Gate):
+                    m.weight.normal_(0.0, 1.0)
+        save_pretrained(built, folder)
     return folder
 
 

@@ -13,8 +13,9 @@ _TB_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "
 
 
 class MetricsLogger:
-    def __init__(self, *, enabled: bool, total_steps: int, jsonl: str = "", tensorboard: str = "", log_every: int = 1):
-        self.enabled, self.total_steps, self.log_every = enabled, total_steps, max(1, log_every)
+    def __init__(self, *, enabled: bool, total_steps: int, jsonl: str = "", tensorboard: str = "", log_every: int = 1,
+                 unit: str = "gpu"):
+        self.enabled, self.total_steps, self.log_every, self.unit = enabled, total_steps, max(1, log_every), unit
         self.jsonl = None
         self.tb = None
         self.t_start = time.perf_counter()
@@ -52,7 +53,7 @@ class MetricsLogger:
             mfu = f" | MFU {m['mfu'] * 100:5.1f}%" if m.get("mfu") is not None else ""
             print(
                 f"step {step:>5}/{self.total_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
-                f"lr {m['lr']:.2e} | {m['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu} | mem {m['mem_peak_gib']:.2f} GiB | "
+                f"lr {m['lr']:.2e} | {m['tokens_per_s_per_gpu']:,.0f} tok/s/{self.unit}{mfu} | mem {m['mem_peak_gib']:.2f} GiB | "
                 f"{m['step_time_s'] * 1e3:,.0f} ms | ETA {_fmt(eta)}",
                 flush=True,
             )

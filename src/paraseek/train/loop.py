@@ -147,7 +147,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
     tokens_per_rank_step = tokens_per_step // cfg.dp_size
     logger = MetricsLogger(enabled=is_main, total_steps=cfg.steps, jsonl=cfg.metrics_jsonl,
-                           tensorboard=cfg.tensorboard, log_every=cfg.log_every)
+                           tensorboard=cfg.tensorboard, log_every=cfg.log_every,
+                           unit="gpu" if device.type == "cuda" else "rank")
     if is_main:
         plan = "DDP" if use_ddp else ("HSDP" if cfg.dp_replicate > 1 else "FSDP2")
         print(f"paraseek train: {cfg.model} ({counts.total / 1e6:,.1f} M params, {counts.active / 1e6:,.1f} M active) | "
@@ -224,6 +225,6 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         tps_gpu = tokens_per_step / median / world
         mfu = f", MFU {flops_tok * tps_gpu / peak * 100:.1f}%" if peak else ""
         print(f"done: {len(losses)} steps in {time.perf_counter() - t_run:.1f} s | loss {losses[0]:.4f} -> "
-              f"{losses[-1]:.4f} | median step {median * 1e3:,.0f} ms, {tps_gpu:,.0f} tokens/s/{device.type}{mfu} | "
+              f"{losses[-1]:.4f} | median step {median * 1e3:,.0f} ms, {tps_gpu:,.0f} tokens/s/{'gpu' if device.type == 'cuda' else 'rank'}{mfu} | "
               f"peak memory {metrics['mem_peak_gib']:.2f} GiB", flush=True)
     return 0

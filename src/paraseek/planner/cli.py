@@ -1,0 +1,114 @@
+"""`paraseek plan`: argument parsing and output only; the model lives in memory.py, cost.py and search.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from paraseek.errors import UserError
+
+
+def register(subparsers) -> None:
+    """Add the `plan` subcommand to paraseek's subparsers (cli.py calls this)."""
+    p = subparsers.add_parser(
+        "plan", help="predict memory and speed of every parallel plan and pick the best",
+        description="Enumerate dp_replicate x dp_shard x tp x pp (schedule, virtual stages) x ep, micro-batch size, "
+        "activation checkpointing and CPU offload; predict memory per GPU (itemized) and step time; rank the plans "
+        "that fit by tokens/s and say why the others don't fit. See docs/planner.md for the model.")
+    p.add_argument("--model", required=True, help="a preset name (e.g. deepseek-v3) or an HF model folder")
+    p.add_argument("--hardware", metavar="PROFILE.json",
+                   help="a hardware profile from `paraseek doctor --save` (measured rates override datasheet ones)")
+    p.add_argument("--gpus", type=int, help="number of GPUs (overrides the profile's nodes x gpus_per_node)")
+    p.add_argument("--gpu-type", help="GPU type without a profile: H100, H100-PCIe, H200, H800, H20, A100-40GB, "
+                   "A100-80GB, A800, L40S, RTX4090, V100-32GB")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: 8, or --gpus if fewer)")
+    p.add_argument("--inter-node-gbps", type=float,
+                   help="inter-node bandwidth per GPU in GB/s (NIC line rate / 8: 400 Gb/s IB per GPU = 50)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--global-batch-size", type=int,
+                   help="sequences per optimizer step (training: required); inference: the concurrency to price")
+    p.add_argument("--mode", default="train", help="train (default) or infer")
+    p.add_argument("--weight-dtype", default="bf16", help="inference weights: bf16 (default) or fp8")
+    p.add_argument("--top", type=int, default=10, help="plans to show (0 = all; default 10)")
+    p.add_argument("--scaling", metavar="N,N,...", help="predict the best plan's tokens/s/GPU at each GPU count")
+    p.add_argument("--plot", metavar="FILE.png", help="with --scaling: write a plot (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=run_plan)
+
+
+def _cluster(ns: argparse.Namespace):
+    from paraseek.planner.plan import load_profile, make_cluster
+
+    if ns.hardware:
+        if ns.gpu_type:
+            raise UserError("give either --hardware PROFILE.json or --gpu-type, not both")
+        if ns.gpus is not None and ns.gpus <= 0:
+            raise UserError(f"--gpus must be a positive number of GPUs, got {ns.gpus}")
+        return load_profile(ns.hardware, ns.gpus)
+    if ns.gpus is None or not ns.gpu_type:
+        raise UserError("say what to plan for: --hardware PROFILE.json, or --gpus N and --gpu-type T")
+    return make_cluster(ns.gpu_type, ns.gpus, ns.gpus_per_node, ns.inter_node_gbps)
+
+
+def _counts(spec: str) -> list[int]:
+    try:
+        counts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--scaling {spec!r}: expected comma-separated GPU counts such as 8,16,64") from None
+    if not counts:
+        raise UserError("--scaling: give at least one GPU count, e.g. 8,16,64")
+    return counts
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    from paraseek.models.args import resolve_model
+    from paraseek.planner import report
+    from paraseek.planner.infer import WEIGHT_BYTES, plan_inference
+    from paraseek.planner.search import scaling, search
+
+    if ns.mode not in ("train", "infer"):
+        raise UserError(f"--mode {ns.mode!r}: expected train or infer")
+    if ns.seq_len <= 0:
+        raise UserError(f"--seq-len must be positive, got {ns.seq_len}")
+    if ns.top < 0:
+        raise UserError(f"--top must be >= 0, got {ns.top}")
+    if ns.plot and not ns.scaling:
+        raise UserError("--plot draws the --scaling curve; add --scaling 8,16,...")
+    args, _, _ = resolve_model(ns.model)
+    cluster = _cluster(ns)
+    if ns.global_batch_size is not None and ns.global_batch_size <= 0:
+        raise UserError(f"--global-batch-size must be positive, got {ns.global_batch_size}")
+
+    if ns.mode == "infer":
+        if ns.weight_dtype not in WEIGHT_BYTES:
+            raise UserError(f"--weight-dtype {ns.weight_dtype!r}: expected {' or '.join(WEIGHT_BYTES)}")
+        if ns.seq_len > args.max_seq_len:
+            raise UserError(f"--seq-len {ns.seq_len} exceeds the model's max_position_embeddings {args.max_seq_len}")
+        rows = plan_inference(args, cluster, ns.seq_len, ns.global_batch_size, ns.weight_dtype)
+        if ns.json:
+            print(json.dumps(report.infer_json(ns.model, cluster, ns.seq_len, rows), indent=2))
+        else:
+            report.print_infer(ns.model, cluster, ns.seq_len, rows, args.max_seq_len)
+        return 0
+
+    if ns.global_batch_size is None:
+        raise UserError("--global-batch-size is required for training plans (sequences per optimizer step)")
+    if ns.scaling:
+        rows = scaling(args, cluster, _counts(ns.scaling), ns.seq_len, ns.global_batch_size, ns.model)
+        if ns.plot:
+            report.plot_scaling(rows, ns.plot, f"{ns.model} on {cluster.gpu.name}, seq {ns.seq_len}, "
+                                f"global batch {ns.global_batch_size} (predicted)")
+        if ns.json:
+            print(json.dumps(report.scaling_json(ns.model, rows), indent=2))
+        else:
+            report.print_scaling(ns.model, rows, cluster, ns.seq_len, ns.global_batch_size)
+            if ns.plot:
+                print(f"plot: {ns.plot}")
+        return 0
+
+    res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model)
+    if ns.json:
+        print(json.dumps(report.search_json(res, ns.top), indent=2))
+    else:
+        report.print_search(res, ns.top)
+    return 0

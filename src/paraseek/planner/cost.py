@@ -1,0 +1,144 @@
+"""Time per training step of a plan, itemized.
+
+Compute: exact training FLOPs per token of each pp rank's layers (stats.py's counts, split by how TP shards them),
+each kind of op at its own achievable rate: linears at matmul_tflops x linear, routed experts at x grouped,
+attention's causal half at x attention, elementwise kernels as bytes over HBM bandwidth. Communication: collectives
+priced with nccl-tests' bus-bandwidth factors (all-reduce 2(n-1)/n, all-gather / reduce-scatter / all-to-all
+(n-1)/n of the full buffer) at the busbw of the link level their group spans, plus a per-call latency.
+Pipeline: (m + bubble) x the slowest rank's micro-batch time, the bubble per schedule (Narayanan et al. 2021 for
+1F1B and interleaving, Qi et al. 2024 for zero bubble). FSDP/HSDP traffic overlaps compute except the first
+prefetch and whatever exceeds the compute it hides behind.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, hot_ranks, rank_shares
+from paraseek.planner.plan import Cluster, Plan
+
+ALPHA_INTRA_S, ALPHA_INTER_S = 10e-6, 20e-6  # per collective: launch + latency (inter-node grows with log2 n)
+A2A_EFFICIENCY = 0.7  # all-to-all reaches less of the busbw than rings do (many small peer messages)
+OVERLAP_PENALTY = 0.1  # compute slows by this share of the communication it hides (SMs and HBM are shared)
+ELEM_TRAFFIC = 10.0  # HBM bytes moved by eager elementwise kernels per byte they save for backward
+LOSS_TRAFFIC = 16.0  # HBM bytes per logit for the cross-entropy forward and backward
+OPTIM_BYTES = 40.0  # HBM bytes per local param: fused AdamW (read 16, write 12) + grad-norm clipping (12)
+CPU_ADAM_GBPS = 50.0  # host bytes/s per node a CPU AdamW sustains (offload), shared by the node's ranks
+CPU_ADAM_BYTES = 28.0  # read param, grad, 2 moments; write param, 2 moments (fp32)
+PCIE_EFFICIENCY = 0.8
+EP_CALL_OVERHEAD_S = 1e-3  # per all-to-all: split sizes go to the host first (a sync that drains the launch queue)
+GROUPED_HALF_ROWS = 1024  # rows per expert at which grouped GEMMs reach half their efficiency (small GEMMs)
+PP_ACTION_OVERHEAD_S = 0.5e-3  # per forward or backward of a chunk: the schedule's p2p waits and Python dispatch
+ZB_BUBBLE_SHARE = 1 / 3  # zero-bubble V keeps a third of an interleaved(v=2) bubble (imperfect W filling)
+
+
+@dataclass
+class StepTime:
+    items: dict  # name -> seconds (exposed on the critical path)
+    total: float
+
+
+def collective(c: Cluster, nbytes: float, stride: int, size: int, kind: str) -> float:
+    """Seconds for one collective over `size` ranks `stride` apart moving a buffer of `nbytes` (the full tensor)."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    busbw, inter = c.busbw(stride, size)
+    factor = 2 * (size - 1) / size if kind == "all_reduce" else (size - 1) / size
+    if kind == "all_to_all":
+        busbw *= A2A_EFFICIENCY
+    alpha = ALPHA_INTER_S * max(1.0, math.log2(size)) if inter else ALPHA_INTRA_S
+    return nbytes * factor / busbw + alpha
+
+
+def bubble(plan: Plan) -> float:
+    """Idle time of the slowest pp rank, in micro-batch times."""
+    pp, v = plan.pp, plan.pp_virtual_stages
+    if pp == 1:
+        return 0.0
+    if plan.pp_schedule in ("GPipe", "1F1B"):
+        return pp - 1.0
+    if plan.pp_schedule == "Interleaved1F1B":
+        return (pp - 1) / v
+    return (pp - 1) / 2 * ZB_BUBBLE_SHARE  # ZBVZeroBubble
+
+
+def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> StepTime:
+    a, tp, ep = t.args, plan.tp, plan.ep
+    eff = c.eff
+    shares = rank_shares(t, tp, ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    m = plan.n_microbatches(global_batch_size)
+    tokens = plan.micro_batch_size * t.seq_len
+    rate = c.matmul_tflops * 1e12
+    hbm = c.gpu.hbm_gbps * 1e9 * eff.hbm
+    full, sel = plan.activation_checkpointing == "full", plan.activation_checkpointing == "selective"
+    recompute = 4 / 3 if full else 1.0  # full checkpointing runs each forward twice: 6N -> 8N
+    act_bytes = tokens * BF16 * a.dim  # one activation tensor [mbs, seq, D] in bf16
+    tp_call = collective(c, act_bytes, 1, tp, "all_gather")  # AG and RS of the same buffer cost the same
+    world_stride = plan.world // plan.pp
+    p2p = (act_bytes / tp) / c.busbw(world_stride, 2)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
+
+    # Expert GEMMs get more rows per expert as EP gathers tokens from ep ranks: small GEMMs are inefficient.
+    rows = tokens * ep * a.n_activated_experts / max(a.n_routed_experts, 1)
+    grouped_eff = eff.grouped * rows / (rows + GROUPED_HALF_ROWS) if rows else 1.0
+    # The slowest pp rank's micro-batch.
+    worst: dict[str, float] = {}
+    for r in hot_ranks(shares):
+        s = shares[r]
+        it = {
+            "compute_linear": tokens * s.linear_flops * recompute / (rate * eff.linear),
+            "compute_experts": tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff),
+            "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
+            "compute_elementwise": (tokens * s.elem_bytes * ELEM_TRAFFIC * (4 / 3 if full or sel else 1.0)
+                                    + (tokens * a.vocab_size / tp * LOSS_TRAFFIC if s.last else 0.0)) / hbm,
+            # SP: per block AG+RS around attention and MLP, forward and backward (+ forward again under full AC)
+            "tp_comm": len(s.layers) * (12 if full else 8) * tp_call + (4 * tp_call if s.last else 0.0),
+            # dispatch + combine, forward and backward (+ forward again under full AC)
+            "ep_all_to_all": s.n_moe * (6 if full else 4) * (collective(
+                c, tokens * s.dispatch_max * MOE_IMBALANCE, tp, ep, "all_to_all") + EP_CALL_OVERHEAD_S) if ep > 1 else 0.0,
+            "pp_p2p": 2 * plan.pp_virtual_stages * (p2p + PP_ACTION_OVERHEAD_S) if plan.pp > 1 else 0.0,
+        }
+        if sum(it.values()) > sum(worst.values()):
+            worst = it
+    t_mb = sum(worst.values())
+    items = {k: v * m for k, v in worst.items()}
+    items["pp_bubble"] = bubble(plan) * t_mb
+    busy = t_mb * (m + bubble(plan))
+
+    # FSDP: all-gather bf16 params, reduce-scatter fp32 grads; dense params over dp_shard, experts over dp_shard/ep.
+    s = max(shares, key=lambda x: x.dense + x.experts)
+    n_blocks = max(len(s.layers), 1)
+    dense, experts = s.dense, s.experts / ep
+
+    def fsdp_round(gathers: int) -> float:
+        return (gathers * (collective(c, BF16 * dense, tp, plan.dp_shard, "all_gather")
+                           + collective(c, BF16 * experts, tp * ep, plan.dp_shard // ep, "all_gather"))
+                + collective(c, FP32 * dense, tp, plan.dp_shard, "reduce_scatter")
+                + collective(c, FP32 * experts, tp * ep, plan.dp_shard // ep, "reduce_scatter")
+                + (gathers + 1) * (n_blocks - 1) * (ALPHA_INTRA_S if plan.dp_shard > 1 else 0.0))
+
+    def exposed(comm: float, behind: float) -> float:
+        # The first prefetch cannot overlap; what exceeds the compute it hides behind is exposed; the hidden part
+        # still slows compute a little.
+        return comm / n_blocks + max(0.0, comm - behind) + OVERLAP_PENALTY * min(comm, behind)
+
+    if plan.pp > 1:  # gathered once and reduced once per step (pipelining defers grad sync to the last micro-batch)
+        fsdp = fsdp_round(1)
+        items["fsdp_comm"] = exposed(fsdp, busy) if plan.dp_shard > 1 else 0.0
+    else:
+        fsdp = fsdp_round(2 if plan.reshard_after_forward else 1)
+        items["fsdp_comm"] = m * exposed(fsdp, t_mb) if plan.dp_shard > 1 else 0.0
+    owned = (s.dense + s.experts) / plan.dp_shard
+    # HSDP/DDP: all-reduce of the (sharded) fp32 grads over dp_replicate, behind the last backward.
+    ar = collective(c, FP32 * owned, tp * plan.dp_shard, plan.dp_replicate, "all_reduce")
+    items["dp_allreduce"] = exposed(ar, t_mb * 2 / 3) if plan.dp_replicate > 1 else 0.0
+    if plan.cpu_offload:
+        # Each gather copies the fp32 shard host->device; each reduce copies fp32 grads back (PCIe, per GPU).
+        gathers = 1 if plan.pp > 1 or not plan.reshard_after_forward else 2
+        rounds = 1 if plan.pp > 1 else m
+        pcie = rounds * (gathers + 1) * FP32 * owned / (c.gpu.pcie_gbps * 1e9 * PCIE_EFFICIENCY)
+        items["offload_pcie"] = exposed(pcie, busy)
+        items["optimizer"] = c.gpus_per_node * owned * CPU_ADAM_BYTES / (CPU_ADAM_GBPS * 1e9)
+    else:
+        items["optimizer"] = owned * OPTIM_BYTES / hbm
+    return StepTime(items, sum(items.values()))

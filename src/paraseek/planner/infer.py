@@ -1,0 +1,96 @@
+"""Inference planning: per TP degree, the largest batch x context that fits and the predicted decode/prefill speed.
+
+Memory per GPU = weights / tp (norms, MLA's low-rank down-projections and the router whole) + KV cache + one
+layer's activations for a prefill chunk + logits for sampling + CUDA context. KV cache per token per layer:
+2 x n_kv_heads x head_dim (K and V, split over tp; replicated when tp > n_kv_heads) or, for MLA (DeepSeek-V2/V3),
+the compressed latent kv_lora_rank + the shared RoPE key qk_rope_head_dim (V2 paper sec. 2.1.2), which is not split
+by heads and so is held whole on every tp rank. Decode is priced as memory-bound reads of the weights it touches
+(only the experts some token in the batch routes to) and of the KV cache, or compute-bound if that is slower,
+plus two TP all-reduces per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paraseek.models.args import ModelArgs
+from paraseek.planner.cost import collective
+from paraseek.planner.memory import ALLOCATOR_BASE, ALLOCATOR_FRACTION, BF16, CUDA_CONTEXT, FP32, GiB, model_terms
+from paraseek.planner.plan import Cluster
+from paraseek.planner.search import divisors
+
+PREFILL_CHUNK = 8192  # tokens per prefill chunk (chunked prefill bounds the activation workspace)
+WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
+
+
+@dataclass
+class InferPlan:
+    tp: int
+    replicas: int  # model copies on the cluster (n_gpus / tp)
+    weights_gib: float  # per GPU
+    kv_bytes_per_token: float  # per GPU, all layers
+    free_gib: float  # left for the KV cache after weights, workspace, context
+    max_batch: int  # sequences of seq_len that fit
+    max_context: int  # tokens of one sequence that fit (not capped by max_position_embeddings)
+    batch: int  # the batch the speed is predicted at
+    decode_tokens_per_s_per_gpu: float
+    prefill_tokens_per_s_per_gpu: float
+    reason: str = ""  # why nothing fits at this tp
+
+
+def kv_bytes_per_token(a: ModelArgs, tp: int) -> float:
+    if a.is_mla:
+        return a.n_layers * BF16 * (a.kv_lora_rank + a.qk_rope_head_dim)
+    kv_heads = max(a.n_kv_heads / tp, 1)  # replicated when tp > kv heads
+    return a.n_layers * 2 * BF16 * kv_heads * a.head_dim
+
+
+def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = None,
+                   weight_dtype: str = "bf16") -> list[InferPlan]:
+    t = model_terms(a, seq_len)
+    wb = WEIGHT_BYTES[weight_dtype]
+    out = []
+    for tp in divisors(min(c.n_gpus, c.gpus_per_node)):
+        if a.n_heads % tp or (not a.is_mla and a.n_kv_heads % tp and tp % a.n_kv_heads):
+            continue
+        L = t.layers
+        dense = sum(x.params_split / tp + x.params_whole for x in L) + (t.embedding + t.head) / tp + t.final_norm
+        experts = sum(x.params_experts for x in L) / tp
+        weights = wb * (dense + experts)
+        kv = kv_bytes_per_token(a, tp)
+        chunk = min(seq_len, PREFILL_CHUNK)
+        workspace = chunk * max(x.act["none"][0] + x.act["none"][1] / tp for x in L)  # one layer at a time
+        workspace += chunk * a.vocab_size / tp * FP32  # prefill logits of a chunk (most servers keep only the last)
+        cap = c.memory_gib * GiB
+        fixed = weights + workspace + CUDA_CONTEXT + ALLOCATOR_BASE + ALLOCATOR_FRACTION * cap
+        free = cap - fixed
+        max_batch = int(free // (kv * seq_len)) if free > 0 else 0
+        max_context = int(free // kv) if free > 0 else 0
+        b = min(batch, max_batch) if batch else max_batch
+        ip = InferPlan(tp, c.n_gpus // tp, weights / GiB, kv, free / GiB, max_batch, max_context, b, 0.0, 0.0)
+        if max_batch < 1:
+            ip.reason = (f"weights {weights / GiB:,.1f} GiB + workspace {workspace / GiB:.1f} GiB leave "
+                         f"{max(free, 0) / GiB:.1f} GiB < one sequence of {seq_len} tokens' KV cache "
+                         f"({kv * seq_len / GiB:.2f} GiB)")
+            out.append(ip)
+            continue
+        rate = c.matmul_tflops * 1e12 * c.eff.linear
+        hbm = c.gpu.hbm_gbps * 1e9 * c.eff.hbm
+        # Decode step for b sequences at context seq_len: experts touched by at least one of b tokens.
+        touched = 0.0
+        for x in L:
+            if x.moe:
+                frac = 1 - (1 - a.n_activated_experts / a.n_routed_experts) ** b
+                touched += x.params_experts * frac / tp
+        read = wb * (dense + touched) + b * seq_len * kv
+        active = sum(x.active_split / tp + x.active_whole + x.active_experts / tp for x in L) + a.vocab_size * a.dim / tp
+        attn = 2 * a.n_layers * seq_len * a.n_heads * (a.qk_head_dim + a.attn_v_head_dim) / tp
+        flops = b * (2 * active + attn)
+        comm = 2 * a.n_layers * collective(c, b * BF16 * a.dim, 1, tp, "all_reduce")
+        step = max(read / hbm, flops / rate) + comm
+        ip.decode_tokens_per_s_per_gpu = b / step / tp
+        # Prefill: compute-bound, causal attention over the prompt (half of the full score matrix).
+        prefill_flops = 2 * active + attn / 2
+        ip.prefill_tokens_per_s_per_gpu = rate / prefill_flops / tp
+        out.append(ip)
+    return out

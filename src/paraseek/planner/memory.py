@@ -1,0 +1,403 @@
+"""Memory per GPU of a training plan, itemized.
+
+Model states follow the engine: AdamW with fp32 master params, fp32 grads and two fp32 moments (16 B/param,
+Rajbhandari et al. 2020, ZeRO, sec. 3), sharded by FSDP2 over dp_shard (ZeRO-3) and replicated over dp_replicate.
+Activations are counted tensor by tensor for the layers of `models/deepseek.py` (what autograd saves in eager
+mode, checked against `saved_tensors_hooks` in the tests), in the form of Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", eq. 2 and sec. 4.2.2 for sequence parallelism): bytes per
+token per layer, each term either divided by tp (heads, ffn width, or sequence-sharded under SP) or whole on every
+tp rank (the all-gathered inputs of column-parallel projections, MLA's replicated low-rank paths, MoE routing).
+With flash/memory-efficient SDPA the paper's 5*a*s/h attention-score term is replaced by the output and its fp32
+log-sum-exp. Pipeline schedules keep several micro-batches in flight (sec. 4.2.3 of the same paper).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from paraseek.models.args import ModelArgs
+from paraseek.models.stats import attention_flops_per_token, param_counts
+from paraseek.planner.plan import Cluster, Plan
+
+BF16, FP32 = 2, 4
+GiB = 2**30
+CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL's own allocations
+ALLOCATOR_BASE, ALLOCATOR_FRACTION = 0.5 * GiB, 0.02  # caching-allocator rounding and fragmentation
+NCCL_BUFFERS_PER_GROUP = 0.125 * GiB  # NCCL channel buffers of one communicator
+LOSS_BYTES_PER_LOGIT = 10  # bf16 logits + fp32 copy + fp32 log-softmax (saved) at the cross-entropy
+MOE_IMBALANCE = 1.1  # busiest expert rank's share over the mean (aux-loss-free balancing is good, not perfect)
+OPTIM_TEMP_BYTES = 0  # AdamW(fused=True) as the anchors and TorchTitan run it; foreach would add 4 B/param (sqrt temp)
+
+
+def _norm(d: int) -> int:
+    """Eager RMSNorm (deepseek.py): saves the fp32 copy of its input, the fp32 rstd and the normalized bf16 tensor."""
+    return FP32 * d + FP32 + BF16 * d
+
+
+def layer_activation_bytes(a: ModelArgs, layer_id: int, ac: str) -> tuple[int, int]:
+    """Bytes per token that block `layer_id` keeps for backward: (whole on every tp rank, divided by tp).
+
+    none: what autograd saves in eager mode (Korthikanti eq. 2's method, for RMSNorm/RoPE/SwiGLU/MLA/MoE).
+    selective: the block input plus the outputs of matmuls and attention (norms, activations, RoPE recomputed).
+    full: the block input only (sequence-sharded under SP); one block is rematerialized at a time in backward.
+    Multiplication by RoPE's cos/sin saves only the (shared) cos/sin, so projection outputs feeding RoPE are free.
+    """
+    D, H = a.dim, a.n_heads
+    if ac == "full":
+        return 0, BF16 * D
+    whole = split = 0
+    none = ac == "none"
+    # attention sub-block
+    if none:
+        split += _norm(D)  # sequence-sharded under SP
+        whole += BF16 * D  # the all-gathered norm output, input of the (column-parallel) projections
+    else:
+        split += BF16 * D  # the block input
+    if a.is_mla:
+        ql, kvl, qk, v = a.q_lora_rank, a.kv_lora_rank, a.qk_head_dim, a.v_head_dim
+        kv_b_out = BF16 * H * (a.qk_nope_head_dim + v)  # k_nope and v are views of it; SDPA keeps v
+        if none:
+            if ql:
+                whole += _norm(ql) + BF16 * ql  # q_a_layernorm on the replicated low-rank path, its output
+            whole += _norm(kvl) + BF16 * kvl  # kv_a_layernorm and its output (input of kv_b_proj)
+            split += 2 * BF16 * H * qk + kv_b_out  # q and k after concatenating the rotated part, v
+        else:
+            if ql:
+                whole += BF16 * ql  # q_a_proj output
+            whole += BF16 * (kvl + a.qk_rope_head_dim)  # kv_a_proj output
+            split += BF16 * H * qk + kv_b_out + BF16 * D  # q_b/q_proj output, kv_b output, o_proj output
+        split += BF16 * H * v + FP32 * H  # attention output (o_proj's input is a view of it) + log-sum-exp
+    else:
+        q, kv = H * a.head_dim, a.n_kv_heads * a.head_dim
+        split += BF16 * (q + 2 * kv) + BF16 * q + FP32 * H  # q, k (rotated), v; attention output; log-sum-exp
+        if not none:
+            split += BF16 * D  # o_proj output (to recompute the residual stream)
+    # MLP / MoE sub-block
+    if none:
+        split += _norm(D)
+        whole += BF16 * D  # gathered norm output
+    if not a.is_moe_layer(layer_id):
+        F = a.inter_dim
+        split += 4 * BF16 * F if none else 2 * BF16 * F + BF16 * D  # gate, up, silu, product | gate, up, down out
+        return whole, split
+    E, K, Fe, Fs = a.n_routed_experts, a.n_activated_experts, a.moe_inter_dim, a.moe_inter_dim * a.n_shared_experts
+    # Experts are split over tp like the dense MLP (ETP = TP); routing runs on the gathered tokens of every tp rank.
+    if none:
+        # fp32 input, scores, top-k index, weights and their sum. The biased/grouped choice only yields indices, so
+        # autograd frees what it saved -- except V2's group max, a view of the scores.
+        router = FP32 * D + FP32 * E + 8 * K + FP32 * K + FP32
+        if a.topk_method == "group_limited_greedy" and a.n_group > 1:
+            router += FP32 * a.n_group
+        dispatch = 8 * K + BF16 * D * K  # token index per slot, the gathered rows (the all-to-all output under EP)
+        combine = 8 * K + FP32 * D * K + FP32 * K  # slot order, fp32 expert outputs in token order, their weights
+        whole += router + dispatch + combine
+        split += 4 * BF16 * Fe * K + 4 * BF16 * Fs  # routed and shared SwiGLU internals
+    else:
+        # Saved: the router's fp32 logits and the grouped-GEMM outputs (the gather is an index op: recomputed).
+        whole += FP32 * E + BF16 * D * K
+        split += 2 * BF16 * Fe * K + 2 * BF16 * Fs + BF16 * D  # gate/up outputs (routed, shared), shared down out
+    return whole, split
+
+
+@dataclass(frozen=True, eq=False)
+class LayerTerms:
+    """Per-layer numbers the planner sums over stages. Parameters split three ways by how TP/EP shard them."""
+
+    moe: bool
+    params_split: int  # divided by tp: head-sharded attention projections, dense MLP, shared experts
+    params_whole: int  # on every tp rank: norms, router, MLA's q_a/kv_a down-projections, o_proj bias
+    params_experts: int  # routed experts: divided by ep and tp
+    active_split: int  # the same, counting the parameters one token uses
+    active_whole: int
+    active_experts: int
+    attn_flops: int  # score + value matmuls per token, fwd+bwd, model count (no causal halving)
+    act: dict  # ac mode -> (whole, split) bytes per token
+    dispatch_bytes: int  # bytes per token of one all-to-all (K routed copies of the hidden state, bf16)
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: model_terms() caches one per (model, seq_len)
+class ModelTerms:
+    args: ModelArgs
+    seq_len: int
+    layers: tuple[LayerTerms, ...]
+    embedding: int  # V*D, divided by tp (vocab-parallel)
+    head: int  # V*D unless tied, divided by tp
+    final_norm: int
+    total_params: int
+    flops_per_token: int  # the MFU numerator (stats.flops_per_token)
+
+
+def _whole_params(a: ModelArgs, layer_id: int) -> int:
+    whole = 2 * a.dim + (a.dim if a.o_bias else 0)
+    if a.is_mla:
+        if a.q_lora_rank:
+            whole += a.dim * a.q_lora_rank + a.q_lora_rank
+        whole += a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    if a.is_moe_layer(layer_id):
+        whole += a.n_routed_experts * a.dim
+    return whole
+
+
+@functools.lru_cache(maxsize=64)
+def model_terms(a: ModelArgs, seq_len: int) -> ModelTerms:
+    """Everything per layer the memory and time models need, computed once per (model, seq_len)."""
+    c = param_counts(a)
+    attn = attention_flops_per_token(a, seq_len) // a.n_layers
+    layers = []
+    for i in range(a.n_layers):
+        moe = a.is_moe_layer(i)
+        expert = 3 * a.dim * a.moe_inter_dim
+        experts, active_experts = (a.n_routed_experts * expert, a.n_activated_experts * expert) if moe else (0, 0)
+        whole = _whole_params(a, i)
+        layers.append(LayerTerms(
+            moe=moe,
+            params_split=c.per_layer[i] - experts - whole, params_whole=whole, params_experts=experts,
+            active_split=c.per_layer_active[i] - active_experts - whole, active_whole=whole,
+            active_experts=active_experts, attn_flops=attn,
+            act={ac: layer_activation_bytes(a, i, ac) for ac in ("none", "selective", "full")},
+            dispatch_bytes=BF16 * a.dim * a.n_activated_experts if moe else 0,
+        ))
+    head = 0 if a.tie_embeddings else a.vocab_size * a.dim
+    return ModelTerms(
+        args=a, seq_len=seq_len, layers=tuple(layers), embedding=a.vocab_size * a.dim, head=head,
+        final_norm=a.dim, total_params=c.total,
+        flops_per_token=6 * (c.active - c.embedding) + attention_flops_per_token(a, seq_len),
+    )
+
+
+# ---- pipeline stages ---------------------------------------------------------------------------------------------
+def _layer_cost(t: ModelTerms, i: int) -> float:
+    L = t.layers[i]
+    cost = 6 * (L.active_split + L.active_whole + L.active_experts) + L.attn_flops
+    if i == len(t.layers) - 1:
+        cost += 6 * t.args.vocab_size * t.args.dim  # the output head rides on the last chunk
+    return cost
+
+
+@functools.lru_cache(maxsize=256)
+def partition(t: ModelTerms, n_chunks: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous layer ranges [start, end) for n_chunks model chunks, balancing training FLOPs (the head counts
+    on the last chunk, as a cost-balanced split does). Bisection on the max chunk cost with a greedy fill."""
+    costs = [_layer_cost(t, i) for i in range(len(t.layers))]
+    n = len(costs)
+
+    def fill(limit: float) -> list[int] | None:
+        cuts, acc = [], 0.0
+        for i, c in enumerate(costs):
+            if acc and acc + c > limit:
+                cuts.append(i)
+                acc = 0.0
+            acc += c
+        return cuts if len(cuts) + 1 <= n_chunks else None
+
+    lo, hi = max(costs), sum(costs)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fill(mid) is not None else (mid, hi)
+    cuts = fill(hi) or []
+    # Fewer chunks than asked: split the largest ones (never raises the max).
+    bounds = [0, *cuts, n]
+    while len(bounds) - 1 < n_chunks:
+        k = max(range(len(bounds) - 1), key=lambda j: (bounds[j + 1] - bounds[j] > 1, sum(costs[bounds[j]:bounds[j + 1]])))
+        bounds.insert(k + 1, (bounds[k] + bounds[k + 1]) // 2)
+    return tuple((bounds[j], bounds[j + 1]) for j in range(n_chunks))
+
+
+def rank_chunks(pp: int, v: int, schedule: str) -> list[list[int]]:
+    """Which model chunks each pp rank holds: looped (r, r+pp, ...) or the V shape of ZBVZeroBubble (r, 2pp-1-r)."""
+    if schedule == "ZBVZeroBubble":
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [[r + k * pp for k in range(v)] for r in range(pp)]
+
+
+def in_flight(plan: Plan, rank: int, m: int) -> float:
+    """Micro-batches whose activations pp rank `rank` holds at its peak, in units of its whole share of layers.
+
+    GPipe: all m. 1F1B: pp - rank (Narayanan et al. 2021). Interleaved1F1B: torch's warm-up of
+    (v-1)*pp + 2*(pp-1-rank) chunk-micro-batches + 1, i.e. Korthikanti sec. 4.2.3's L/pp * (1 + (pp-1)/(pp*v)) on
+    rank 0. ZBVZeroBubble: the same peak as 1F1B (Qi et al. 2024, ZB-V)."""
+    pp, v = plan.pp, plan.pp_virtual_stages
+    if pp == 1:
+        return 1.0
+    s = plan.pp_schedule
+    if s == "GPipe":
+        return float(m)
+    if s == "1F1B":
+        return float(min(m, pp - rank))
+    if s == "Interleaved1F1B":
+        return min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v
+    return float(min(m, pp))  # ZBVZeroBubble
+
+
+@dataclass(frozen=True, eq=False)
+class RankShare:
+    """What one pp rank holds of the model, per tp rank, summed once per (model, tp, ep, pp, v, schedule)."""
+
+    layers: tuple[int, ...]
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm, head and loss
+    dense: float  # non-expert params on this tp rank (root included)
+    experts: float  # routed-expert params on this tp rank (before ep)
+    block_max: float  # largest block's local params (FSDP's all-gather unit), experts divided by ep
+    root: float  # embedding + head + final norm local params (FSDP's root module)
+    act: dict  # ac mode -> bytes per token of saved activations on this tp rank, all its layers
+    noac_max: float  # bytes per token of the largest block without checkpointing (rematerialized in backward)
+    dispatch_max: int  # bytes per token of one all-to-all, 0 without MoE layers
+    n_moe: int
+    linear_flops: float  # training FLOPs per token on this tp rank: dense/replicated linears (+ head)
+    expert_flops: float  # routed-expert FLOPs per token on this tp rank (ETP = TP)
+    attn_flops: float  # causal half of the score/value matmuls per token on this tp rank
+    elem_bytes: float  # saved-activation bytes per token without checkpointing (memory-bound traffic proxy)
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str) -> tuple[RankShare, ...]:
+    chunks = partition(t, pp * v)
+    a = t.args
+    out = []
+    for holds in rank_chunks(pp, v, schedule):
+        layers = tuple(i for c in holds for i in range(*chunks[c]))
+        Ls = [t.layers[i] for i in layers]
+        first, last = 0 in holds, pp * v - 1 in holds
+        root = (t.embedding / tp if first else 0) + ((t.head / tp + t.final_norm) if last else 0)
+        act = {ac: sum(L.act[ac][0] + L.act[ac][1] / tp for L in Ls) for ac in ("none", "selective", "full")}
+        noac = [L.act["none"][0] + L.act["none"][1] / tp for L in Ls]
+        out.append(RankShare(
+            layers=layers, first=first, last=last,
+            dense=sum(L.params_split / tp + L.params_whole for L in Ls) + root,
+            experts=sum(L.params_experts / tp for L in Ls),
+            block_max=max(L.params_split / tp + L.params_whole + L.params_experts / (tp * ep) for L in Ls),
+            root=root, act=act, noac_max=max(noac),
+            dispatch_max=max(L.dispatch_bytes for L in Ls), n_moe=sum(L.moe for L in Ls),
+            linear_flops=6 * sum(L.active_split / tp + L.active_whole for L in Ls)
+            + (6 * a.vocab_size * a.dim / tp if last else 0),  # the output matmul, tied or not
+            expert_flops=6 * sum(L.active_experts for L in Ls) / tp,
+            attn_flops=sum(L.attn_flops for L in Ls) / tp / 2,
+            elem_bytes=sum(noac),
+        ))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def hot_ranks(shares: tuple[RankShare, ...]) -> tuple[int, ...]:
+    """The pp ranks that can hold the memory or time peak: the first two (most micro-batches in flight), the one
+    with the head, the one with the most layers, the most params and the most FLOPs. Checking only these keeps the
+    search fast at pp = 64 without missing the max."""
+    n = len(shares)
+    idx = {0, min(1, n - 1), next(r for r, s in enumerate(shares) if s.last)}
+    idx.add(max(range(n), key=lambda r: shares[r].act["none"]))
+    idx.add(max(range(n), key=lambda r: shares[r].dense + shares[r].experts))
+    idx.add(max(range(n), key=lambda r: shares[r].linear_flops + shares[r].expert_flops + shares[r].attn_flops))
+    return tuple(sorted(idx))
+
+
+# ---- model states --------------------------------------------------------------------------------------------------
+def _state_elems(share: RankShare, plan: Plan) -> float:
+    """Params this rank owns after FSDP: dense over dp_shard; experts over ep, then over dp_shard/ep."""
+    return share.dense / plan.dp_shard + share.experts / plan.dp_shard
+
+
+def model_state_bytes(args: ModelArgs, plan: Plan, stage: int | None = None) -> dict:
+    """Bytes of fp32 params, fp32 grads and AdamW moments one rank owns (sharded, wherever they live), for pp rank
+    `stage` (default: the largest). Closed form: 4/4/8 B x (params on this tp/pp rank) / dp_shard, experts divided
+    by ep*tp first (ep*(dp_shard/ep) = dp_shard); DDP is dp_shard = 1. FSDP2's dim-0 chunking makes ranks differ by
+    at most one row per parameter; this is the mean."""
+    t = model_terms(args, args.max_seq_len)
+    shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    elems = [_state_elems(s, plan) for s in shares]
+    n = elems[stage] if stage is not None else max(elems)
+    out = {"params": FP32 * n, "grads": FP32 * n, "optimizer": 2 * FP32 * n}
+    out["total"] = sum(out.values())
+    out["device"] = "cpu" if plan.cpu_offload else "cuda"
+    return out
+
+
+# ---- the whole breakdown -------------------------------------------------------------------------------------------
+@dataclass
+class Memory:
+    items: dict  # name -> bytes on the worst GPU
+    total: float  # bytes at the peak on the worst GPU
+    host_per_node: float  # bytes of host memory the node's ranks need (CPU offload), 0 otherwise
+    worst_rank: int  # pp rank with the peak
+    phase: str = "forward"  # when the peak happens: forward (at the loss), backward (its end), optimizer
+
+
+def is_ddp(plan: Plan) -> bool:
+    """The engine's rule: DDP when replicas are not sharded; a single process still runs FSDP2 (a 1-rank mesh)."""
+    return plan.dp_shard == 1 and plan.dp_replicate > 1
+
+
+def n_groups(plan: Plan) -> int:
+    """Communicators of size > 1 that a rank belongs to (each keeps NCCL buffers)."""
+    sizes = [plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp]
+    if plan.ep > 1:
+        sizes += [plan.ep, plan.dp_shard // plan.ep]
+    return sum(1 for s in sizes if s > 1)
+
+
+def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Memory:
+    """Peak bytes per GPU of `plan` (the worst pp rank), itemized. Plain floats in the loop: the search calls
+    this ~10^5 times for 2,048 GPUs."""
+    a, tp, ac = t.args, plan.tp, plan.activation_checkpointing
+    shares = rank_shares(t, tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    m = plan.n_microbatches(global_batch_size)
+    tokens = plan.micro_batch_size * t.seq_len  # per micro-batch per dp rank
+    fsdp = not is_ddp(plan)
+    on_gpu = 0.0 if plan.cpu_offload else 1.0
+    p2p = 4 * tokens * BF16 * a.dim / tp if plan.pp > 1 else 0.0  # send/recv of activations and their grads
+    comm = NCCL_BUFFERS_PER_GROUP * n_groups(plan) + p2p
+    dispatch_factor = 2 * tokens * MOE_IMBALANCE if plan.ep > 1 else 0.0
+    worst = None
+    for r in hot_ranks(shares):
+        s = shares[r]
+        local = s.dense + s.experts / plan.ep  # params on this rank before FSDP sharding
+        owned = _state_elems(s, plan)
+        params, grads, optim = FP32 * owned * on_gpu, FP32 * owned * on_gpu, 2 * FP32 * owned * on_gpu
+        # Gathered bf16 compute copies and unsharded grads awaiting reduction.
+        if not fsdp:  # DDP + autocast: bf16 casts of every weight live from forward to backward; gradient buckets
+            bf16, unreduced = BF16 * local, FP32 * local  # are copies (gradient_as_bucket_view=False, the default)
+        elif plan.pp > 1:  # pipelining keeps params gathered and grads unsynced until the last micro-batch
+            bf16, unreduced = BF16 * local, FP32 * local
+        else:
+            # The block in use + the prefetched one (or every block when not resharded after forward), plus
+            # FSDP2's root (embedding, head), which is not resharded after forward.
+            bf16 = BF16 * (2 * s.block_max if plan.reshard_after_forward else local - s.root) + BF16 * s.root
+            # bf16 grads of 2 blocks + their fp32 reduce-scatter input; the root's bf16 grads wait for the end
+            unreduced = (BF16 + FP32) * 2 * s.block_max + BF16 * s.root
+        # Activations: micro-batches in flight x this rank's layers; backward rematerializes one block whole
+        # (full) or its elementwise part (selective).
+        acts = in_flight(plan, r, m) * tokens * s.act[ac]
+        recompute = tokens * s.noac_max if ac != "none" else 0.0
+        logits = 0.0
+        if s.last:
+            acts += tokens * (_norm(a.dim) / tp + BF16 * a.dim)  # final norm, gathered head input
+            logits = LOSS_BYTES_PER_LOGIT * tokens * a.vocab_size / tp  # vocab-parallel loss
+        dispatch = dispatch_factor * s.dispatch_max  # all-to-all send + receive buffers of one MoE layer
+        # Three moments can hold the peak: the loss of the last micro-batch (activations in flight; grads exist
+        # already only when accumulating over m > 1 micro-batches), the end of backward (all grads, no
+        # activations), and the AdamW step (its temporaries).
+        grads_at_loss = grads if m > 1 else 0.0
+        fwd = params + optim + grads_at_loss + bf16 + unreduced + acts + recompute + logits + dispatch + comm
+        bwd = params + optim + grads + bf16 + unreduced + comm
+        opt = params + optim + grads + OPTIM_TEMP_BYTES * owned * on_gpu + comm
+        peak = max(fwd, bwd, opt)
+        if worst is None or peak > worst[0]:
+            worst = (peak, r, fwd, bwd, (params, grads, grads_at_loss, optim, bf16, unreduced, acts, recompute,
+                                         logits, dispatch, comm, owned))
+    peak, r, fwd, bwd, (params, grads, grads_at_loss, optim, bf16, unreduced, acts, recompute, logits, dispatch,
+                        comm, owned) = worst
+    phase = "forward" if peak == fwd else "backward" if peak == bwd else "optimizer"
+    f, b = phase == "forward", phase != "optimizer"
+    items = {
+        "parameters": params, "gradients": grads_at_loss if f else grads, "optimizer_states": optim,
+        "bf16_params": bf16 if b else 0.0, "unreduced_grads": unreduced if b else 0.0,
+        "activations": acts if f else 0.0, "recompute": recompute if f else 0.0, "logits_loss": logits if f else 0.0,
+        "moe_dispatch": dispatch if f else 0.0, "comm_buffers": comm,
+        "optimizer_step_temp": OPTIM_TEMP_BYTES * owned * on_gpu if phase == "optimizer" else 0.0,
+        "cuda_context": CUDA_CONTEXT, "allocator_overhead": ALLOCATOR_BASE + ALLOCATOR_FRACTION * peak,
+    }
+    host = 0.0
+    if plan.cpu_offload:  # every rank's 16 B/param shard, foreach AdamW's 4 B/param temporary on the CPU
+        host = c.gpus_per_node * (5 * FP32 * max(_state_elems(x, plan) for x in shares))
+    return Memory(items, sum(items.values()), host, r, phase)

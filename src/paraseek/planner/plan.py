@@ -1,0 +1,188 @@
+"""The planner's two inputs besides the model: a parallel `Plan` and the `Cluster` it runs on (GPU type, node
+shape, achievable rates, and which link each process group crosses under paraseek's rank order)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from paraseek.errors import UserError
+from paraseek.hardware.specs import GPU_SPECS, GPUSpec, gpu_spec, spec_for_device_name
+
+AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recompute first
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")  # torch.distributed.pipelining names
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run training. Mesh dims, innermost (fastest-varying rank) first: tp, ep (taken from dp_shard),
+    dp_shard / ep, dp_replicate, pp. world = dp_replicate * dp_shard * tp * pp."""
+
+    dp_replicate: int = 1  # HSDP/DDP replicas: gradients all-reduced across them
+    dp_shard: int = 1  # FSDP2 (ZeRO-3) sharding degree of params, grads and optimizer states
+    tp: int = 1  # tensor parallel with sequence parallel
+    pp: int = 1
+    pp_schedule: str = "none"  # "none" when pp == 1, else one of PP_SCHEDULES
+    pp_virtual_stages: int = 1  # model chunks per pp rank (Interleaved1F1B: 2+, ZBVZeroBubble: 2)
+    ep: int = 1  # expert parallel: routed experts split over ep ranks of dp_shard
+    micro_batch_size: int = 1  # sequences per micro-batch per dp rank
+    activation_checkpointing: str = "none"  # none | selective | full
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW states in host memory
+    reshard_after_forward: bool = True  # False = ZeRO-2-like (params stay gathered between forward and backward)
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def n_microbatches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.dp * self.micro_batch_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def replace(self, **changes) -> Plan:
+        return replace(self, **changes)
+
+
+# Achievable fractions, per GPU generation. `matmul` is the large-GEMM ceiling as a fraction of the datasheet peak
+# (H200 measured here: 790-803 of 989 TFLOP/s); the op-kind factors are fractions of that ceiling, calibrated on
+# the H200 anchors (anchors/README.md: TorchTitan 46-48% MFU, HF + FSDP2 35% on the DeepSeek-LLM-7B shape).
+# `linear`: transformer-shaped GEMMs with their backward; `grouped`: MoE expert GEMMs with routing/permutation
+# overheads folded in (TorchTitan reaches 16% MFU on the V2-Lite shape);
+# `attention`: flash/SDPA forward+backward on the causal half; `hbm`: elementwise/memory-bound kernels vs datasheet
+# bandwidth; `busbw`: NCCL ring busbw vs link bandwidth (348 of 450 GB/s measured on NV18).
+@dataclass(frozen=True)
+class Efficiency:
+    matmul: float
+    linear: float = 0.68
+    grouped: float = 0.50  # at many rows per expert; cost.py scales it by rows / (rows + GROUPED_HALF_ROWS)
+    attention: float = 0.50
+    hbm: float = 0.85
+    busbw: float = 0.77
+
+
+EFFICIENCY = {
+    "hopper": Efficiency(matmul=0.80),
+    "ampere": Efficiency(matmul=0.85, attention=0.55),
+    "ada": Efficiency(matmul=0.75, attention=0.45),
+    "volta": Efficiency(matmul=0.75, attention=0.30, grouped=0.40),  # no flash attention: mem-efficient kernel only
+}
+ARCH = {"H100": "hopper", "H100-PCIe": "hopper", "H200": "hopper", "H800": "hopper", "H20": "hopper",
+        "A100-40GB": "ampere", "A100-80GB": "ampere", "A800": "ampere", "L40S": "ada", "RTX4090": "ada",
+        "V100-32GB": "volta"}
+# Inter-node bandwidth per GPU (GB/s, NIC line rate / 8) of a typical node of these GPUs: one 400 Gb/s NIC per
+# GPU on Hopper (DeepSeek's H800 nodes too), 200 Gb/s HDR on Ampere, 100 Gb/s Ethernet per GPU on PCIe cards.
+NIC_GBPS = {"hopper": 50.0, "ampere": 25.0, "ada": 12.5, "volta": 12.5}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs of one type, `gpus_per_node` per node, rates the planner prices work at."""
+
+    gpu: GPUSpec
+    n_gpus: int
+    gpus_per_node: int
+    matmul_tflops: float  # achievable large-GEMM rate (bf16, or fp16 on V100)
+    intra_busbw_gbps: float  # NCCL busbw inside a node (NVLink, or PCIe without it)
+    inter_busbw_gbps: float  # NCCL busbw per GPU across nodes
+    eff: Efficiency
+    memory_gib: float  # usable device memory
+    host_memory_gib: float  # per node
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.n_gpus / self.gpus_per_node)
+
+    @property
+    def peak_tflops(self) -> float:  # MFU denominator: the datasheet peak, as the peers quote it
+        return self.gpu.bf16_tflops if self.gpu.has_bf16 else self.gpu.fp16_tflops
+
+    def with_gpus(self, n_gpus: int) -> Cluster:
+        """The same node type, n_gpus of them (a partial node when fewer than gpus_per_node)."""
+        return replace(self, n_gpus=n_gpus, gpus_per_node=min(self.gpus_per_node, n_gpus))
+
+    def busbw(self, stride: int, size: int) -> tuple[float, bool]:
+        """(busbw in B/s, crosses nodes) of a process group of `size` ranks `stride` apart. With tp innermost and
+        gpus_per_node a multiple of the inner dims, a group stays in one node iff stride * size <= gpus_per_node;
+        a group that spans nodes runs at the inter-node rate (the ring's slowest hop)."""
+        if stride * size <= self.gpus_per_node:
+            return self.intra_busbw_gbps * 1e9, False
+        return self.inter_busbw_gbps * 1e9, True
+
+    def describe(self) -> str:
+        link = f"NVLink busbw {self.intra_busbw_gbps:.0f} GB/s" if self.gpu.nvlink_gbps else f"PCIe busbw {self.intra_busbw_gbps:.0f} GB/s"
+        return (f"{self.n_gpus} x {self.gpu.name} ({self.memory_gib:.0f} GiB), {self.gpus_per_node}/node, {link}, "
+                f"inter-node {self.inter_busbw_gbps:.0f} GB/s/GPU, matmul {self.matmul_tflops:.0f} TFLOP/s")
+
+
+def _intra_busbw(spec: GPUSpec, eff: Efficiency) -> float:
+    # Without NVLink, collectives go through PCIe (and often the host bridge): about half the link rate.
+    return spec.nvlink_gbps * eff.busbw if spec.nvlink_gbps else spec.pcie_gbps * 0.5
+
+
+def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
+                 inter_node_gbps: float | None = None) -> Cluster:
+    """A cluster from datasheet defaults. `inter_node_gbps`: inter-node bandwidth per GPU in GB/s (line rate)."""
+    spec = gpu_spec(gpu_type)
+    if n_gpus <= 0:
+        raise UserError(f"--gpus must be a positive number of GPUs, got {n_gpus}")
+    gpn = gpus_per_node or min(n_gpus, 8)
+    if gpn <= 0:
+        raise UserError(f"--gpus-per-node must be positive, got {gpus_per_node}")
+    if n_gpus > gpn and n_gpus % gpn:
+        raise UserError(f"--gpus {n_gpus} is not a multiple of --gpus-per-node {gpn}; use whole nodes")
+    if inter_node_gbps is not None and inter_node_gbps <= 0:
+        raise UserError(f"--inter-node-gbps must be positive, got {inter_node_gbps}")
+    arch = ARCH.get(spec.name, "hopper")
+    eff = EFFICIENCY[arch]
+    nic = inter_node_gbps if inter_node_gbps is not None else NIC_GBPS[arch]
+    return Cluster(
+        gpu=spec, n_gpus=n_gpus, gpus_per_node=min(gpn, n_gpus),
+        matmul_tflops=(spec.bf16_tflops if spec.has_bf16 else spec.fp16_tflops) * eff.matmul,
+        intra_busbw_gbps=_intra_busbw(spec, eff), inter_busbw_gbps=nic * 0.8, eff=eff,
+        memory_gib=spec.memory_gib, host_memory_gib=spec.host_memory_gib,
+    )
+
+
+def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
+    """A cluster from a `paraseek doctor --save` profile: keys gpu_name, memory_gib, gpus_per_node, nodes,
+    matmul_tflops, intra_node_busbw_gbps, inter_node_busbw_gbps (measured; each overrides the datasheet default)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: no such hardware profile (write one with `paraseek doctor --save {p}`)")
+    try:
+        prof = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(prof, dict) or "gpu_name" not in prof:
+        raise UserError(f"{p}: a hardware profile needs at least 'gpu_name' (and gpus_per_node, nodes)")
+    name = str(prof["gpu_name"])
+    spec = GPU_SPECS.get(name) or next((s for k, s in GPU_SPECS.items() if k.lower() == name.lower()), None)
+    spec = spec or spec_for_device_name(name)
+    if spec is None:
+        raise UserError(f"{p}: GPU {name!r} is not one the planner knows ({', '.join(GPU_SPECS)})")
+    gpn = int(prof.get("gpus_per_node") or 8)
+    total = n_gpus if n_gpus is not None else gpn * int(prof.get("nodes") or 1)
+    c = make_cluster(spec.name, total, gpn)
+
+    def num(key: str, default: float) -> float:
+        value = prof.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise UserError(f"{p}: {key!r} must be a positive number, got {value!r}")
+        return float(value)
+
+    return replace(
+        c,
+        memory_gib=num("memory_gib", c.memory_gib),
+        matmul_tflops=num("matmul_tflops", c.matmul_tflops),
+        intra_busbw_gbps=num("intra_node_busbw_gbps", c.intra_busbw_gbps),
+        inter_busbw_gbps=num("inter_node_busbw_gbps", c.inter_busbw_gbps),
+    )

@@ -1,0 +1,264 @@
+"""What `paraseek plan` prints: rich tables for people, one JSON document for programs, a PNG for scaling."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from paraseek.errors import UserError
+from paraseek.planner.infer import InferPlan
+from paraseek.planner.memory import GiB
+from paraseek.planner.plan import Cluster, Plan
+from paraseek.planner.search import Evaluated, Rejected, ScalingRow, SearchResult
+
+
+def train_command(model: str, c: Cluster, plan: Plan, seq_len: int, global_batch_size: int) -> str:
+    """The `paraseek train` command line that runs `plan`."""
+    argv = ["paraseek", "train", "--model", model]
+    if c.nodes > 1:  # the same command on every node, with its --node-rank
+        argv += ["--nnodes", str(c.nodes), "--node-rank", "RANK", "--rdzv-endpoint", "NODE0_HOST:29500"]
+    argv += ["--nproc", str(min(c.gpus_per_node, c.n_gpus)), "--seq-len", str(seq_len),
+             "--global-batch-size", str(global_batch_size), "--micro-batch-size", str(plan.micro_batch_size),
+             "--dp-replicate", str(plan.dp_replicate), "--dp-shard", str(plan.dp_shard)]
+    if plan.tp > 1:
+        argv += ["--tp", str(plan.tp)]
+    if plan.pp > 1:
+        argv += ["--pp", str(plan.pp), "--pp-schedule", plan.pp_schedule]
+        if plan.pp_virtual_stages > 1:
+            argv += ["--pp-virtual-stages", str(plan.pp_virtual_stages)]
+    if plan.ep > 1:
+        argv += ["--ep", str(plan.ep)]
+    argv += ["--activation-checkpointing", plan.activation_checkpointing]
+    if plan.cpu_offload:
+        argv.append("--cpu-offload")
+    if plan.pp == 1 and plan.dp_shard > 1 and not plan.reshard_after_forward:
+        argv += ["--reshard-after-forward", "false"]
+    return shlex.join(argv)
+
+
+def _gib(x: float) -> float:
+    return round(x / GiB, 3)
+
+
+def plan_dict(ev: Evaluated, res: SearchResult) -> dict[str, Any]:
+    p = ev.plan
+    assert ev.time is not None
+    d: dict[str, Any] = p.to_dict()
+    d.update(
+        n_microbatches=p.n_microbatches(res.global_batch_size),
+        memory_gib_per_gpu=_gib(ev.memory.total),
+        memory_peak_at=ev.memory.phase,
+        memory_peak_pp_rank=ev.memory.worst_rank,
+        host_memory_gib_per_node=_gib(ev.memory.host_per_node),
+        step_time_s=round(ev.time.total, 4),
+        tokens_per_s_per_gpu=round(ev.tokens_per_s_per_gpu, 1),
+        tokens_per_s=round(ev.tokens_per_s_per_gpu * p.world, 1),
+        mfu=round(ev.mfu, 4),
+        command=train_command(res.model, res.cluster, p, res.seq_len, res.global_batch_size),
+        memory_breakdown={k: _gib(v) for k, v in ev.memory.items.items()},
+        time_breakdown={k: round(v, 4) for k, v in ev.time.items.items()},
+    )
+    if ev.note:
+        d["note"] = ev.note
+    return d
+
+
+def rejected_dict(r: Rejected) -> dict[str, Any]:
+    d: dict[str, Any] = dict(r.mesh)
+    if r.plan is not None:
+        d["closest_plan"] = r.plan.to_dict()
+    if r.memory is not None:
+        d["memory_gib_per_gpu"] = _gib(r.memory.total)
+        d["host_memory_gib_per_node"] = _gib(r.memory.host_per_node)
+        d["memory_breakdown"] = {k: _gib(v) for k, v in r.memory.items.items()}
+    d["reason"] = r.reason
+    return d
+
+
+def hardware_dict(c: Cluster) -> dict[str, Any]:
+    return {"gpu": c.gpu.name, "n_gpus": c.n_gpus, "gpus_per_node": c.gpus_per_node, "memory_gib": c.memory_gib,
+            "peak_tflops": c.peak_tflops, "matmul_tflops": c.matmul_tflops,
+            "intra_node_busbw_gbps": c.intra_busbw_gbps, "inter_node_busbw_gbps": c.inter_busbw_gbps,
+            "host_memory_gib": c.host_memory_gib}
+
+
+def search_json(res: SearchResult, top: int) -> dict[str, Any]:
+    plans = res.plans[:top] if top else res.plans
+    doc = {"mode": "train", "model": res.model, "hardware": hardware_dict(res.cluster), "seq_len": res.seq_len,
+           "global_batch_size": res.global_batch_size, "plans": [plan_dict(e, res) for e in plans],
+           "rejected": [rejected_dict(r) for r in res.rejected], "plans_priced": res.evaluated}
+    if not res.plans:
+        doc["why_none"] = res.why_none
+    return doc
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+_SHORT = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "I1F1B", "ZBVZeroBubble": "ZBV"}
+
+
+def _schedule(p: Plan) -> str:
+    if p.pp == 1:
+        return "1"
+    v = f" v{p.pp_virtual_stages}" if p.pp_schedule == "Interleaved1F1B" else ""
+    return f"{p.pp} {_SHORT[p.pp_schedule]}{v}"
+
+
+def _table(title: str, columns: tuple[str, ...]):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i == 0 and not col.startswith("#") else "right", no_wrap=True)
+    return t
+
+
+def print_search(res: SearchResult, top: int) -> None:
+    con = _console()
+    con.print(f"[bold]{res.model}[/bold] on {res.cluster.describe()}; seq {res.seq_len}, global batch "
+              f"{res.global_batch_size} sequences; {res.evaluated:,} plans priced")
+    if res.plans:
+        t = _table("fastest plans that fit (best variant of each mesh); dp = replicate x shard",
+                   ("#", "dp", "tp", "pp", "ep", "mbs", "AC", "offl", "GiB", "step s", "tok/s/GPU", "MFU"))
+        for i, e in enumerate(res.plans[:top] if top else res.plans, 1):
+            p = e.plan
+            t.add_row(str(i), f"{p.dp_replicate}x{p.dp_shard}", str(p.tp), _schedule(p), str(p.ep),
+                      str(p.micro_batch_size), p.activation_checkpointing, "cpu" if p.cpu_offload else "",
+                      f"{e.memory.total / GiB:.1f}", f"{e.time.total:.2f}", f"{e.tokens_per_s_per_gpu:,.0f}",
+                      f"{e.mfu:.1%}")
+        con.print(t)
+        best = res.plans[0]
+        mem = _table(f"#1 memory, peak at {best.memory.phase}", ("item", "GiB/GPU"))
+        for k, v in best.memory.items.items():
+            if v:
+                mem.add_row(k.replace("_", " "), f"{v / GiB:.2f}")
+        mem.add_row("[bold]total[/bold]", f"[bold]{best.memory.total / GiB:.2f}[/bold]")
+        tim = _table("#1 time per step", ("item", "s"))
+        assert best.time is not None
+        for k, v in best.time.items.items():
+            if v:
+                tim.add_row(k.replace("_", " "), f"{v:.3f}")
+        tim.add_row("[bold]step[/bold]", f"[bold]{best.time.total:.3f}[/bold]")
+        from rich.columns import Columns
+
+        con.print(Columns([mem, tim]))
+        if best.memory.host_per_node:
+            con.print(f"host memory for offloaded states: {best.memory.host_per_node / GiB:,.0f} GiB per node")
+        if best.note:
+            con.print(best.note)
+        con.print("run it: " + train_command(res.model, res.cluster, best.plan, res.seq_len, res.global_batch_size),
+                  soft_wrap=True, markup=False, highlight=False)
+    else:
+        con.print(f"[bold red]no plan fits[/bold red] {res.cluster.n_gpus} x {res.cluster.gpu.name}: {res.why_none}",
+                  highlight=False)
+    if res.rejected:
+        shown = res.rejected[: max(top, 5)]
+        con.print(f"\n{len(res.rejected)} meshes rejected; closest first:")
+        for r in shown:
+            mesh = " ".join(f"{k}={v}" for k, v in r.mesh.items())
+            con.print(f"  {mesh}: {r.reason}", markup=False, highlight=False)
+
+
+# ---- inference ---------------------------------------------------------------------------------------------------
+def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan]) -> dict[str, Any]:
+    fits = [r for r in rows if not r.reason]
+    fits.sort(key=lambda r: -r.decode_tokens_per_s_per_gpu)
+
+    def row(r: InferPlan) -> dict[str, Any]:
+        return {"tp": r.tp, "replicas": r.replicas, "weights_gib_per_gpu": round(r.weights_gib, 3),
+                "kv_cache_bytes_per_token": r.kv_bytes_per_token, "kv_cache_free_gib": round(r.free_gib, 3),
+                "max_batch_at_seq_len": r.max_batch, "max_context_at_batch_1": r.max_context, "batch": r.batch,
+                "decode_tokens_per_s_per_gpu": round(r.decode_tokens_per_s_per_gpu, 1),
+                "prefill_tokens_per_s_per_gpu": round(r.prefill_tokens_per_s_per_gpu, 1)}
+
+    return {"mode": "infer", "model": model, "hardware": hardware_dict(c), "seq_len": seq_len,
+            "plans": [row(r) for r in fits],
+            "rejected": [{"tp": r.tp, "reason": r.reason} for r in rows if r.reason]}
+
+
+def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max_seq_len: int) -> None:
+    con = _console()
+    con.print(f"[bold]{model}[/bold] inference on {c.describe()}; context {seq_len}")
+    t = _table("per TP degree (one model copy per tp GPUs)",
+               ("tp", "weights GiB/GPU", "KV KiB/token", f"max batch @{seq_len}", "max context @batch 1",
+                "batch", "decode tok/s/GPU", "prefill tok/s/GPU"))
+    for r in rows:
+        if r.reason:
+            continue
+        ctx = f"{r.max_context:,}" + (" (model max " + f"{max_seq_len:,})" if r.max_context > max_seq_len else "")
+        t.add_row(str(r.tp), f"{r.weights_gib:.1f}", f"{r.kv_bytes_per_token / 1024:.1f}", f"{r.max_batch:,}", ctx,
+                  f"{r.batch:,}", f"{r.decode_tokens_per_s_per_gpu:,.0f}", f"{r.prefill_tokens_per_s_per_gpu:,.0f}")
+    con.print(t)
+    for r in rows:
+        if r.reason:
+            con.print(f"  tp={r.tp}: {r.reason}", markup=False, highlight=False)
+
+
+# ---- scaling -----------------------------------------------------------------------------------------------------
+def scaling_json(model: str, rows: list[ScalingRow]) -> dict[str, Any]:
+    out = []
+    for row in rows:
+        d: dict[str, Any] = {"gpus": row.gpus}
+        if row.best is not None:
+            d.update(tokens_per_s_per_gpu=round(row.best.tokens_per_s_per_gpu, 1),
+                     tokens_per_s=round(row.best.tokens_per_s_per_gpu * row.gpus, 1),
+                     mfu=round(row.best.mfu, 4), scaling_efficiency=round(row.efficiency, 4),
+                     plan=plan_dict(row.best, row.result))
+        else:
+            d["reason"] = row.reason
+        out.append(d)
+    return {"mode": "scaling", "model": model, "scaling": out}
+
+
+def print_scaling(model: str, rows: list[ScalingRow], c: Cluster, seq_len: int, gbs: int) -> None:
+    con = _console()
+    t = _table(f"{model} on {c.gpu.name} ({c.gpus_per_node}/node), seq {seq_len}, global batch {gbs}: "
+               "predicted scaling", ("#GPUs", "tok/s/GPU", "tok/s", "MFU", "efficiency",
+                                     "plan: dp_rep x dp_shard x tp x pp, ep, mbs, AC"))
+    for r in rows:
+        if r.best is None:
+            t.add_row(str(r.gpus), "-", "-", "-", "-", r.reason)
+            continue
+        p = r.best.plan
+        t.add_row(str(r.gpus), f"{r.best.tokens_per_s_per_gpu:,.0f}", f"{r.best.tokens_per_s_per_gpu * r.gpus:,.0f}",
+                  f"{r.best.mfu:.1%}", f"{r.efficiency:.0%}",
+                  f"{p.dp_replicate}x{p.dp_shard}x{p.tp}x{_schedule(p)}, ep {p.ep}, mbs {p.micro_batch_size}, "
+                  f"{p.activation_checkpointing}" + (", offload" if p.cpu_offload else ""))
+    con.print(t)
+
+
+def plot_scaling(rows: list[ScalingRow], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    pts = [(r.gpus, r.best.tokens_per_s_per_gpu, r.efficiency) for r in rows if r.best is not None]
+    if not pts:
+        raise UserError("--plot: no GPU count in --scaling has a plan that fits, nothing to plot")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    xs, ys, eff = zip(*pts)
+    ax.plot(xs, ys, "o-", label="predicted tokens/s/GPU")
+    ax.axhline(ys[0], color="gray", ls="--", lw=1, label="linear scaling")
+    for x, y, e in pts:
+        ax.annotate(f"{e:.0%}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise UserError(f"--plot {path}: cannot write ({e.strerror})") from None
+    finally:
+        plt.close(fig)
