@@ -108,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON document")
     info.set_defaults(func=cmd_info)
 
+    from paraseek.hardware.doctor import register as register_doctor
     from paraseek.train.launch import register as register_train
 
     register_train(sub)
+    register_doctor(sub)
 
     demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus",
                           description="CPU: trains tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes with HSDP 2x2 "
