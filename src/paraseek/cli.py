@@ -111,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     from paraseek.hardware.doctor import register as register_doctor
     from paraseek.train.launch import register as register_train
 
+    from paraseek.planner.cli import register as register_plan
+
     register_train(sub)
+    register_plan(sub)
     register_doctor(sub)
 
     demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus",

@@ -91,7 +91,8 @@ def test_micro_batches_in_flight_per_schedule():
     assert in_flight(Plan(pp=4, pp_schedule="GPipe"), 0, 16) == 16
     assert [in_flight(Plan(pp=4, pp_schedule="1F1B"), r, 16) for r in range(4)] == [4, 3, 2, 1]
     # Interleaved, rank 0: Korthikanti et al. 2022 sec. 4.2.3: pp * (1 + (pp-1)/(pp*v)) micro-batches of L/pp layers
-    assert in_flight(Plan(pp=4, pp_schedule="Interleaved1F1B", pp_virtual_stages=2), 0, 16) == pytest.approx(4 * (1 + 3 / 8))
+    interleaved = Plan(pp=4, pp_schedule="Interleaved1F1B", pp_virtual_stages=2)
+    assert in_flight(interleaved, 0, 16) == pytest.approx(4 * (1 + 3 / 8))
     assert in_flight(Plan(pp=4, pp_schedule="ZBVZeroBubble", pp_virtual_stages=2), 0, 16) == 4
 
 
@@ -112,7 +113,7 @@ def saved_bytes_per_token(args, checkpoint: bool) -> list[float]:
             skip |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
             refs = []
 
-            def pack(t):
+            def pack(t, refs=refs):
                 refs.append(weakref.ref(t))
                 return t
 
@@ -177,7 +178,8 @@ def test_deepseek_v3_fits_2048_h800_and_the_search_is_complete():
     best = res.plans[0]
     assert best.plan.world == 2048 and best.memory.total <= c.memory_gib * GiB
     assert 0 < best.mfu < 1
-    assert [e.tokens_per_s_per_gpu for e in res.plans] == sorted((e.tokens_per_s_per_gpu for e in res.plans), reverse=True)
+    speeds = [e.tokens_per_s_per_gpu for e in res.plans]
+    assert speeds == sorted(speeds, reverse=True)
 
 
 def test_deepseek_llm_7b_on_one_a100_needs_cpu_offload():
@@ -219,6 +221,15 @@ def test_scaling_rows_and_efficiency():
     assert rows[0].efficiency == 1.0
     assert all(r.best is not None for r in rows)
     assert rows[-1].efficiency < 1.0  # strong scaling: a fixed batch over 64x the GPUs is not free
+
+
+def test_scaling_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "scaling.png"
+    rc, text = run_plan_cli("--model", "deepseek-llm-7b", "--gpus", "8", "--gpu-type", "H100",
+                            "--global-batch-size", "256", "--scaling", "8,16,32", "--plot", str(out))
+    assert rc == 0 and "predicted" in text and f"plot: {out}" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_profile_overrides_datasheet_rates(tmp_path):

@@ -33,6 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--scaling", metavar="N,N,...", help="predict the best plan's tokens/s/GPU at each GPU count")
     p.add_argument("--plot", metavar="FILE.png", help="with --scaling: write a plot (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--all-dims", action="store_true",
+                   help="also rank tensor/pipeline/expert-parallel plans, which paraseek train does not run yet")
     p.set_defaults(func=run_plan)
 
 
@@ -106,7 +108,7 @@ def run_plan(ns: argparse.Namespace) -> int:
                 print(f"plot: {ns.plot}")
         return 0
 
-    res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model)
+    res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model, engine_only=not ns.all_dims)
     if ns.json:
         print(json.dumps(report.search_json(res, ns.top), indent=2))
     else:

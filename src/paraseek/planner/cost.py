@@ -15,20 +15,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, hot_ranks, rank_shares
+from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, hot_ranks, is_ddp, rank_shares
 from paraseek.planner.plan import Cluster, Plan
 
 ALPHA_INTRA_S, ALPHA_INTER_S = 10e-6, 20e-6  # per collective: launch + latency (inter-node grows with log2 n)
 A2A_EFFICIENCY = 0.7  # all-to-all reaches less of the busbw than rings do (many small peer messages)
 OVERLAP_PENALTY = 0.1  # compute slows by this share of the communication it hides (SMs and HBM are shared)
-ELEM_TRAFFIC = 10.0  # HBM bytes moved by eager elementwise kernels per byte they save for backward
+ELEM_TRAFFIC = 7.0  # HBM bytes moved by eager elementwise kernels per byte they save for backward
 LOSS_TRAFFIC = 16.0  # HBM bytes per logit for the cross-entropy forward and backward
-OPTIM_BYTES = 40.0  # HBM bytes per local param: fused AdamW (read 16, write 12) + grad-norm clipping (12)
+# FSDP2's own work per unsharded param per gather and per reduce (casts, copy-in/out, fp32 reduce buffers), as HBM
+# bytes: ~12 ns/param per micro-batch on 2 H200s (paraseek train, 7B, BENCHMARKS.md); on one GPU it is twice that.
+FSDP_COPY_BYTES = (10.0, 30.0)
+OPTIM_BYTES = 48.0  # HBM bytes per local param: fused AdamW + grad-norm clipping (7B on one H200: 82 ms)
+FULL_AC_RECOMPUTE = 1.2  # full checkpointing's extra forward: +18% on a 7B layer, +34% on a V2-Lite MoE layer
 CPU_ADAM_GBPS = 50.0  # host bytes/s per node a CPU AdamW sustains (offload), shared by the node's ranks
 CPU_ADAM_BYTES = 28.0  # read param, grad, 2 moments; write param, 2 moments (fp32)
 PCIE_EFFICIENCY = 0.8
 EP_CALL_OVERHEAD_S = 1e-3  # per all-to-all: split sizes go to the host first (a sync that drains the launch queue)
-GROUPED_HALF_ROWS = 1024  # rows per expert at which grouped GEMMs reach half their efficiency (small GEMMs)
+MOE_LAYER_OVERHEAD_S = 1.5e-3  # per MoE layer per micro-batch: ~40 small routing/permutation kernels, fwd + bwd
+GROUPED_HALF_ROWS = 450  # rows per expert at which grouped GEMMs reach half their top rate (V2-Lite layer on H200)
 PP_ACTION_OVERHEAD_S = 0.5e-3  # per forward or backward of a chunk: the schedule's p2p waits and Python dispatch
 ZB_BUBBLE_SHARE = 1 / 3  # zero-bubble V keeps a third of an interleaved(v=2) bubble (imperfect W filling)
 
@@ -70,9 +75,9 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     m = plan.n_microbatches(global_batch_size)
     tokens = plan.micro_batch_size * t.seq_len
     rate = c.matmul_tflops * 1e12
-    hbm = c.gpu.hbm_gbps * 1e9 * eff.hbm
+    hbm = c.hbm_gbps * 1e9
     full, sel = plan.activation_checkpointing == "full", plan.activation_checkpointing == "selective"
-    recompute = 4 / 3 if full else 1.0  # full checkpointing runs each forward twice: 6N -> 8N
+    recompute = FULL_AC_RECOMPUTE if full else 1.0  # the forward again: ~1/5 of fwd+bwd time (backward is slower)
     act_bytes = tokens * BF16 * a.dim  # one activation tensor [mbs, seq, D] in bf16
     tp_call = collective(c, act_bytes, 1, tp, "all_gather")  # AG and RS of the same buffer cost the same
     world_stride = plan.world // plan.pp
@@ -87,15 +92,17 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         s = shares[r]
         it = {
             "compute_linear": tokens * s.linear_flops * recompute / (rate * eff.linear),
-            "compute_experts": tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff),
+            "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff)
+                                + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
             "compute_elementwise": (tokens * s.elem_bytes * ELEM_TRAFFIC * (4 / 3 if full or sel else 1.0)
                                     + (tokens * a.vocab_size / tp * LOSS_TRAFFIC if s.last else 0.0)) / hbm,
             # SP: per block AG+RS around attention and MLP, forward and backward (+ forward again under full AC)
             "tp_comm": len(s.layers) * (12 if full else 8) * tp_call + (4 * tp_call if s.last else 0.0),
             # dispatch + combine, forward and backward (+ forward again under full AC)
-            "ep_all_to_all": s.n_moe * (6 if full else 4) * (collective(
-                c, tokens * s.dispatch_max * MOE_IMBALANCE, tp, ep, "all_to_all") + EP_CALL_OVERHEAD_S) if ep > 1 else 0.0,
+            "ep_all_to_all": s.n_moe * (6 if full else 4) * (
+                collective(c, tokens * s.dispatch_max * MOE_IMBALANCE, tp, ep, "all_to_all") + EP_CALL_OVERHEAD_S)
+            if ep > 1 else 0.0,
             "pp_p2p": 2 * plan.pp_virtual_stages * (p2p + PP_ACTION_OVERHEAD_S) if plan.pp > 1 else 0.0,
         }
         if sum(it.values()) > sum(worst.values()):
@@ -122,20 +129,21 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         # still slows compute a little.
         return comm / n_blocks + max(0.0, comm - behind) + OVERLAP_PENALTY * min(comm, behind)
 
-    if plan.pp > 1:  # gathered once and reduced once per step (pipelining defers grad sync to the last micro-batch)
-        fsdp = fsdp_round(1)
-        items["fsdp_comm"] = exposed(fsdp, busy) if plan.dp_shard > 1 else 0.0
-    else:
-        fsdp = fsdp_round(2 if plan.reshard_after_forward else 1)
-        items["fsdp_comm"] = m * exposed(fsdp, t_mb) if plan.dp_shard > 1 else 0.0
+    gathers = 1 if plan.pp > 1 or not plan.reshard_after_forward else 2
+    rounds = 1 if plan.pp > 1 else m  # pipelining gathers and reduces once per step (grad sync deferred)
+    fsdp = fsdp_round(gathers)
+    items["fsdp_comm"] = rounds * exposed(fsdp, busy / rounds) if plan.dp_shard > 1 else 0.0
+    # FSDP2 copies params into and out of its all-gather buffers and casts grads for the reduce, on every rank
+    # and even on a 1-rank mesh: memory-bound work on the compute stream.
+    single = 2.0 if plan.dp_shard == 1 else 1.0  # measured: FSDP2 on a 1-rank mesh costs twice as much per param
+    items["fsdp_copies"] = (single * rounds * (gathers * FSDP_COPY_BYTES[0] + FSDP_COPY_BYTES[1]) * (dense + experts)
+                            / hbm if not is_ddp(plan) else 0.0)
     owned = (s.dense + s.experts) / plan.dp_shard
     # HSDP/DDP: all-reduce of the (sharded) fp32 grads over dp_replicate, behind the last backward.
     ar = collective(c, FP32 * owned, tp * plan.dp_shard, plan.dp_replicate, "all_reduce")
     items["dp_allreduce"] = exposed(ar, t_mb * 2 / 3) if plan.dp_replicate > 1 else 0.0
     if plan.cpu_offload:
         # Each gather copies the fp32 shard host->device; each reduce copies fp32 grads back (PCIe, per GPU).
-        gathers = 1 if plan.pp > 1 or not plan.reshard_after_forward else 2
-        rounds = 1 if plan.pp > 1 else m
         pcie = rounds * (gathers + 1) * FP32 * owned / (c.gpu.pcie_gbps * 1e9 * PCIE_EFFICIENCY)
         items["offload_pcie"] = exposed(pcie, busy)
         items["optimizer"] = c.gpus_per_node * owned * CPU_ADAM_BYTES / (CPU_ADAM_GBPS * 1e9)

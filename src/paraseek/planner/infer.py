@@ -75,7 +75,7 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
             out.append(ip)
             continue
         rate = c.matmul_tflops * 1e12 * c.eff.linear
-        hbm = c.gpu.hbm_gbps * 1e9 * c.eff.hbm
+        hbm = c.hbm_gbps * 1e9
         # Decode step for b sequences at context seq_len: experts touched by at least one of b tokens.
         touched = 0.0
         for x in L:
@@ -83,7 +83,8 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
                 frac = 1 - (1 - a.n_activated_experts / a.n_routed_experts) ** b
                 touched += x.params_experts * frac / tp
         read = wb * (dense + touched) + b * seq_len * kv
-        active = sum(x.active_split / tp + x.active_whole + x.active_experts / tp for x in L) + a.vocab_size * a.dim / tp
+        active = sum(x.active_split / tp + x.active_whole + x.active_experts / tp for x in L)
+        active += a.vocab_size * a.dim / tp  # the output head (tied or not)
         attn = 2 * a.n_layers * seq_len * a.n_heads * (a.qk_head_dim + a.attn_v_head_dim) / tp
         flops = b * (2 * active + attn)
         comm = 2 * a.n_layers * collective(c, b * BF16 * a.dim, 1, tp, "all_reduce")

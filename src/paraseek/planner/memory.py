@@ -26,6 +26,7 @@ CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL's own al
 ALLOCATOR_BASE, ALLOCATOR_FRACTION = 0.5 * GiB, 0.02  # caching-allocator rounding and fragmentation
 NCCL_BUFFERS_PER_GROUP = 0.125 * GiB  # NCCL channel buffers of one communicator
 LOSS_BYTES_PER_LOGIT = 10  # bf16 logits + fp32 copy + fp32 log-softmax (saved) at the cross-entropy
+LOGIT_GRAD_BYTES = 6  # early backward: the logits' fp32 grad and its bf16 cast
 MOE_IMBALANCE = 1.1  # busiest expert rank's share over the mean (aux-loss-free balancing is good, not perfect)
 OPTIM_TEMP_BYTES = 0  # AdamW(fused=True) as the anchors and TorchTitan run it; foreach would add 4 B/param (sqrt temp)
 
@@ -199,7 +200,8 @@ def partition(t: ModelTerms, n_chunks: int) -> tuple[tuple[int, int], ...]:
     # Fewer chunks than asked: split the largest ones (never raises the max).
     bounds = [0, *cuts, n]
     while len(bounds) - 1 < n_chunks:
-        k = max(range(len(bounds) - 1), key=lambda j: (bounds[j + 1] - bounds[j] > 1, sum(costs[bounds[j]:bounds[j + 1]])))
+        k = max(range(len(bounds) - 1),
+                key=lambda j: (bounds[j + 1] - bounds[j] > 1, sum(costs[bounds[j]:bounds[j + 1]])))
         bounds.insert(k + 1, (bounds[k] + bounds[k + 1]) // 2)
     return tuple((bounds[j], bounds[j + 1]) for j in range(n_chunks))
 
@@ -298,12 +300,13 @@ def _state_elems(share: RankShare, plan: Plan) -> float:
     return share.dense / plan.dp_shard + share.experts / plan.dp_shard
 
 
-def model_state_bytes(args: ModelArgs, plan: Plan, stage: int | None = None) -> dict:
+def model_state_bytes(args: ModelArgs, plan: Plan, stage: int | None = None, seq_len: int | None = None) -> dict:
     """Bytes of fp32 params, fp32 grads and AdamW moments one rank owns (sharded, wherever they live), for pp rank
     `stage` (default: the largest). Closed form: 4/4/8 B x (params on this tp/pp rank) / dp_shard, experts divided
     by ep*tp first (ep*(dp_shard/ep) = dp_shard); DDP is dp_shard = 1. FSDP2's dim-0 chunking makes ranks differ by
-    at most one row per parameter; this is the mean."""
-    t = model_terms(args, args.max_seq_len)
+    at most one row per parameter; this is the mean. `seq_len` only moves pipeline-stage boundaries (they balance
+    FLOPs, attention's included)."""
+    t = model_terms(args, seq_len or args.max_seq_len)
     shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
     elems = [_state_elems(s, plan) for s in shares]
     n = elems[stage] if stage is not None else max(elems)
@@ -320,7 +323,7 @@ class Memory:
     total: float  # bytes at the peak on the worst GPU
     host_per_node: float  # bytes of host memory the node's ranks need (CPU offload), 0 otherwise
     worst_rank: int  # pp rank with the peak
-    phase: str = "forward"  # when the peak happens: forward (at the loss), backward (its end), optimizer
+    phase: str = "loss"  # when the peak happens: loss, backward (its start), end_of_backward, optimizer_step
 
 
 def is_ddp(plan: Plan) -> bool:
@@ -363,8 +366,9 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             # The block in use + the prefetched one (or every block when not resharded after forward), plus
             # FSDP2's root (embedding, head), which is not resharded after forward.
             bf16 = BF16 * (2 * s.block_max if plan.reshard_after_forward else local - s.root) + BF16 * s.root
-            # bf16 grads of 2 blocks + their fp32 reduce-scatter input; the root's bf16 grads wait for the end
-            unreduced = (BF16 + FP32) * 2 * s.block_max + BF16 * s.root
+            # bf16 grads of the block being reduced + their fp32 reduce-scatter input; the root's (embedding, head)
+            # bf16 grads wait for the end of backward
+            unreduced = (BF16 + FP32) * s.block_max + BF16 * s.root
         # Activations: micro-batches in flight x this rank's layers; backward rematerializes one block whole
         # (full) or its elementwise part (selective).
         acts = in_flight(plan, r, m) * tokens * s.act[ac]
@@ -372,29 +376,35 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         logits = 0.0
         if s.last:
             acts += tokens * (_norm(a.dim) / tp + BF16 * a.dim)  # final norm, gathered head input
-            logits = LOSS_BYTES_PER_LOGIT * tokens * a.vocab_size / tp  # vocab-parallel loss
+            logits = tokens * a.vocab_size / tp  # vocab-parallel loss
         dispatch = dispatch_factor * s.dispatch_max  # all-to-all send + receive buffers of one MoE layer
-        # Three moments can hold the peak: the loss of the last micro-batch (activations in flight; grads exist
-        # already only when accumulating over m > 1 micro-batches), the end of backward (all grads, no
-        # activations), and the AdamW step (its temporaries).
-        grads_at_loss = grads if m > 1 else 0.0
-        fwd = params + optim + grads_at_loss + bf16 + unreduced + acts + recompute + logits + dispatch + comm
-        bwd = params + optim + grads + bf16 + unreduced + comm
-        opt = params + optim + grads + OPTIM_TEMP_BYTES * owned * on_gpu + comm
-        peak = max(fwd, bwd, opt)
-        if worst is None or peak > worst[0]:
-            worst = (peak, r, fwd, bwd, (params, grads, grads_at_loss, optim, bf16, unreduced, acts, recompute,
-                                         logits, dispatch, comm, owned))
-    peak, r, fwd, bwd, (params, grads, grads_at_loss, optim, bf16, unreduced, acts, recompute, logits, dispatch,
-                        comm, owned) = worst
-    phase = "forward" if peak == fwd else "backward" if peak == bwd else "optimizer"
-    f, b = phase == "forward", phase != "optimizer"
+        # Four moments can hold the peak. Grads exist before the last micro-batch's backward only when accumulating
+        # (m > 1): zero_grad(set_to_none=True) frees them every step.
+        acc = grads if m > 1 else 0.0
+        base = params + optim + comm
+        moments = {
+            # the loss: every activation in flight, logits in bf16 + fp32 + fp32 log-softmax
+            "loss": base + acc + bf16 + acts + LOSS_BYTES_PER_LOGIT * logits + dispatch,
+            # early backward: a block rematerialized, its grads being reduced, the logits' fp32 + bf16 grads
+            "backward": base + acc + bf16 + acts + recompute + unreduced + LOGIT_GRAD_BYTES * logits + dispatch,
+            "end_of_backward": base + grads + bf16 + unreduced,
+            "optimizer_step": base + grads + OPTIM_TEMP_BYTES * owned * on_gpu,
+        }
+        phase = max(moments, key=moments.__getitem__)
+        if worst is None or moments[phase] > worst[0]:
+            worst = (moments[phase], r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute,
+                                                 logits, dispatch, comm, owned))
+    peak, r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute, logits, dispatch, comm,
+                     owned) = worst
+    during = phase in ("loss", "backward")  # activations alive
     items = {
-        "parameters": params, "gradients": grads_at_loss if f else grads, "optimizer_states": optim,
-        "bf16_params": bf16 if b else 0.0, "unreduced_grads": unreduced if b else 0.0,
-        "activations": acts if f else 0.0, "recompute": recompute if f else 0.0, "logits_loss": logits if f else 0.0,
-        "moe_dispatch": dispatch if f else 0.0, "comm_buffers": comm,
-        "optimizer_step_temp": OPTIM_TEMP_BYTES * owned * on_gpu if phase == "optimizer" else 0.0,
+        "parameters": params, "gradients": acc if during else grads, "optimizer_states": optim,
+        "bf16_params": bf16 if phase != "optimizer_step" else 0.0,
+        "unreduced_grads": unreduced if phase in ("backward", "end_of_backward") else 0.0,
+        "activations": acts if during else 0.0, "recompute": recompute if phase == "backward" else 0.0,
+        "logits_loss": (LOSS_BYTES_PER_LOGIT if phase == "loss" else LOGIT_GRAD_BYTES) * logits if during else 0.0,
+        "moe_dispatch": dispatch if during else 0.0, "comm_buffers": comm,
+        "optimizer_step_temp": OPTIM_TEMP_BYTES * owned * on_gpu if phase == "optimizer_step" else 0.0,
         "cuda_context": CUDA_CONTEXT, "allocator_overhead": ALLOCATOR_BASE + ALLOCATOR_FRACTION * peak,
     }
     host = 0.0

@@ -52,16 +52,15 @@ class Plan:
 
 # Achievable fractions, per GPU generation. `matmul` is the large-GEMM ceiling as a fraction of the datasheet peak
 # (H200 measured here: 790-803 of 989 TFLOP/s); the op-kind factors are fractions of that ceiling, calibrated on
-# the H200 anchors (anchors/README.md: TorchTitan 46-48% MFU, HF + FSDP2 35% on the DeepSeek-LLM-7B shape).
-# `linear`: transformer-shaped GEMMs with their backward; `grouped`: MoE expert GEMMs with routing/permutation
-# overheads folded in (TorchTitan reaches 16% MFU on the V2-Lite shape);
-# `attention`: flash/SDPA forward+backward on the causal half; `hbm`: elementwise/memory-bound kernels vs datasheet
-# bandwidth; `busbw`: NCCL ring busbw vs link bandwidth (348 of 450 GB/s measured on NV18).
+# paraseek's eager layers and `paraseek train` on one H200 (docs/planner.md, "Calibration"). `linear`:
+# transformer-shaped GEMMs with their backward; `grouped`: MoE expert GEMMs at many rows per expert (cost.py scales
+# it down for few); `attention`: SDPA forward+backward on the causal half; `hbm`: memory-bound kernels vs datasheet
+# bandwidth (4.26 of 4.8 TB/s copy measured); `busbw`: NCCL ring busbw vs link bandwidth (348 of 450 GB/s on NV18).
 @dataclass(frozen=True)
 class Efficiency:
     matmul: float
-    linear: float = 0.68
-    grouped: float = 0.50  # at many rows per expert; cost.py scales it by rows / (rows + GROUPED_HALF_ROWS)
+    linear: float = 0.73
+    grouped: float = 0.60
     attention: float = 0.50
     hbm: float = 0.85
     busbw: float = 0.77
@@ -91,6 +90,7 @@ class Cluster:
     matmul_tflops: float  # achievable large-GEMM rate (bf16, or fp16 on V100)
     intra_busbw_gbps: float  # NCCL busbw inside a node (NVLink, or PCIe without it)
     inter_busbw_gbps: float  # NCCL busbw per GPU across nodes
+    hbm_gbps: float  # achievable device-memory bandwidth (memory-bound kernels)
     eff: Efficiency
     memory_gib: float  # usable device memory
     host_memory_gib: float  # per node
@@ -116,7 +116,7 @@ class Cluster:
         return self.inter_busbw_gbps * 1e9, True
 
     def describe(self) -> str:
-        link = f"NVLink busbw {self.intra_busbw_gbps:.0f} GB/s" if self.gpu.nvlink_gbps else f"PCIe busbw {self.intra_busbw_gbps:.0f} GB/s"
+        link = f"{'NVLink' if self.gpu.nvlink_gbps else 'PCIe'} busbw {self.intra_busbw_gbps:.0f} GB/s"
         return (f"{self.n_gpus} x {self.gpu.name} ({self.memory_gib:.0f} GiB), {self.gpus_per_node}/node, {link}, "
                 f"inter-node {self.inter_busbw_gbps:.0f} GB/s/GPU, matmul {self.matmul_tflops:.0f} TFLOP/s")
 
@@ -145,14 +145,16 @@ def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
     return Cluster(
         gpu=spec, n_gpus=n_gpus, gpus_per_node=min(gpn, n_gpus),
         matmul_tflops=(spec.bf16_tflops if spec.has_bf16 else spec.fp16_tflops) * eff.matmul,
-        intra_busbw_gbps=_intra_busbw(spec, eff), inter_busbw_gbps=nic * 0.8, eff=eff,
+        intra_busbw_gbps=_intra_busbw(spec, eff), inter_busbw_gbps=nic * 0.8, hbm_gbps=spec.hbm_gbps * eff.hbm,
+        eff=eff,
         memory_gib=spec.memory_gib, host_memory_gib=spec.host_memory_gib,
     )
 
 
 def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
     """A cluster from a `paraseek doctor --save` profile: keys gpu_name, memory_gib, gpus_per_node, nodes,
-    matmul_tflops, intra_node_busbw_gbps, inter_node_busbw_gbps (measured; each overrides the datasheet default)."""
+    matmul_tflops, hbm_gbps, intra_node_busbw_gbps, inter_node_busbw_gbps (measured; each one present and not
+    null overrides the datasheet default)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: no such hardware profile (write one with `paraseek doctor --save {p}`)")
@@ -185,4 +187,5 @@ def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
         matmul_tflops=num("matmul_tflops", c.matmul_tflops),
         intra_busbw_gbps=num("intra_node_busbw_gbps", c.intra_busbw_gbps),
         inter_busbw_gbps=num("inter_node_busbw_gbps", c.inter_busbw_gbps),
+        hbm_gbps=num("hbm_gbps", c.hbm_gbps),
     )

@@ -79,7 +79,7 @@ def hardware_dict(c: Cluster) -> dict[str, Any]:
     return {"gpu": c.gpu.name, "n_gpus": c.n_gpus, "gpus_per_node": c.gpus_per_node, "memory_gib": c.memory_gib,
             "peak_tflops": c.peak_tflops, "matmul_tflops": c.matmul_tflops,
             "intra_node_busbw_gbps": c.intra_busbw_gbps, "inter_node_busbw_gbps": c.inter_busbw_gbps,
-            "host_memory_gib": c.host_memory_gib}
+            "hbm_gbps": c.hbm_gbps, "host_memory_gib": c.host_memory_gib}
 
 
 def search_json(res: SearchResult, top: int) -> dict[str, Any]:
@@ -95,7 +95,10 @@ def search_json(res: SearchResult, top: int) -> dict[str, Any]:
 def _console():
     from rich.console import Console
 
-    return Console()
+    con = Console()
+    if not con.is_terminal:  # logs and pipes: wide enough for the plan tables instead of rich's 80 columns
+        con = Console(width=120)
+    return con
 
 
 _SHORT = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "I1F1B", "ZBVZeroBubble": "ZBV"}
@@ -184,13 +187,13 @@ def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan]) -> d
 def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max_seq_len: int) -> None:
     con = _console()
     con.print(f"[bold]{model}[/bold] inference on {c.describe()}; context {seq_len}")
-    t = _table("per TP degree (one model copy per tp GPUs)",
-               ("tp", "weights GiB/GPU", "KV KiB/token", f"max batch @{seq_len}", "max context @batch 1",
-                "batch", "decode tok/s/GPU", "prefill tok/s/GPU"))
+    t = _table(f"per TP degree (one model copy per tp GPUs); batch x context {seq_len}",
+               ("tp", "weights GiB", "KV KiB/tok", "max batch", "max context", "batch", "decode tok/s/GPU",
+                "prefill tok/s/GPU"))
     for r in rows:
         if r.reason:
             continue
-        ctx = f"{r.max_context:,}" + (" (model max " + f"{max_seq_len:,})" if r.max_context > max_seq_len else "")
+        ctx = f"{min(r.max_context, max_seq_len):,}" + (" (model max)" if r.max_context > max_seq_len else "")
         t.add_row(str(r.tp), f"{r.weights_gib:.1f}", f"{r.kv_bytes_per_token / 1024:.1f}", f"{r.max_batch:,}", ctx,
                   f"{r.batch:,}", f"{r.decode_tokens_per_s_per_gpu:,.0f}", f"{r.prefill_tokens_per_s_per_gpu:,.0f}")
     con.print(t)
@@ -218,8 +221,7 @@ def scaling_json(model: str, rows: list[ScalingRow]) -> dict[str, Any]:
 def print_scaling(model: str, rows: list[ScalingRow], c: Cluster, seq_len: int, gbs: int) -> None:
     con = _console()
     t = _table(f"{model} on {c.gpu.name} ({c.gpus_per_node}/node), seq {seq_len}, global batch {gbs}: "
-               "predicted scaling", ("#GPUs", "tok/s/GPU", "tok/s", "MFU", "efficiency",
-                                     "plan: dp_rep x dp_shard x tp x pp, ep, mbs, AC"))
+               "predicted scaling", ("GPUs", "tok/s/GPU", "tok/s", "MFU", "eff", "plan: dp x tp x pp, ep, mbs, AC"))
     for r in rows:
         if r.best is None:
             t.add_row(str(r.gpus), "-", "-", "-", "-", r.reason)
@@ -227,7 +229,7 @@ def print_scaling(model: str, rows: list[ScalingRow], c: Cluster, seq_len: int, 
         p = r.best.plan
         t.add_row(str(r.gpus), f"{r.best.tokens_per_s_per_gpu:,.0f}", f"{r.best.tokens_per_s_per_gpu * r.gpus:,.0f}",
                   f"{r.best.mfu:.1%}", f"{r.efficiency:.0%}",
-                  f"{p.dp_replicate}x{p.dp_shard}x{p.tp}x{_schedule(p)}, ep {p.ep}, mbs {p.micro_batch_size}, "
+                  f"{p.dp_replicate}x{p.dp_shard} x {p.tp} x {_schedule(p)}, ep {p.ep}, {p.micro_batch_size}, "
                   f"{p.activation_checkpointing}" + (", offload" if p.cpu_offload else ""))
     con.print(t)
 
@@ -244,15 +246,17 @@ def plot_scaling(rows: list[ScalingRow], path: str, title: str) -> None:
     if not pts:
         raise UserError("--plot: no GPU count in --scaling has a plan that fits, nothing to plot")
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs, ys, eff = zip(*pts)
+    xs, ys, _ = zip(*pts, strict=True)
     ax.plot(xs, ys, "o-", label="predicted tokens/s/GPU")
     ax.axhline(ys[0], color="gray", ls="--", lw=1, label="linear scaling")
     for x, y, e in pts:
         ax.annotate(f"{e:.0%}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
     ax.set_xlabel("GPUs")
     ax.set_ylabel("tokens/s per GPU")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max(ys) * 1.15)
     ax.set_title(title, fontsize=10)
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()

@@ -38,6 +38,7 @@ class Rejected:
     mesh: dict
     reason: str
     memory: Memory | None = None
+    overflow: tuple = (float("inf"), float("inf"))  # need / capacity (see Evaluated): the sort key
 
 
 @dataclass
@@ -125,7 +126,8 @@ def _mesh(plan: Plan) -> dict:
     return {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp, "pp": plan.pp, "ep": plan.ep}
 
 
-def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: int) -> tuple[Evaluated | None, Evaluated | None, int]:
+def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int,
+                  gbs: int) -> tuple[Evaluated | None, Evaluated | None, int]:
     """(fastest fitting variant, closest non-fitting variant, variants priced) of one mesh. The closest miss's
     reason also says why the same mesh fails without offload, when offload was the closest."""
     local = gbs // base.dp
@@ -173,8 +175,15 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
     return best, miss, n
 
 
-def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "") -> SearchResult:
-    """Every mesh of c.n_gpus GPUs, its best variant, ranked by predicted tokens/s per GPU."""
+# The dimensions `paraseek train` runs today. Tensor, pipeline and expert parallelism are modelled here already;
+# plans that use them are predictions only until the engine has them (the model-parallelism issue).
+ENGINE_DIMS = frozenset({"dp_replicate", "dp_shard"})
+
+
+def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
+           engine_only: bool = False) -> SearchResult:
+    """Every mesh of c.n_gpus GPUs, its best variant, ranked by predicted tokens/s per GPU. engine_only keeps
+    the meshes `paraseek train` can run now (ENGINE_DIMS); the others are rejected with that reason."""
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
     if global_batch_size <= 0:
@@ -212,22 +221,28 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 eps = [e for e in divisors(dp_shard) if args.n_routed_experts % e == 0] if moe else [1]
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
+                    unrunnable = [d for d, n in (("tp", tp), ("pp", pp), ("ep", ep)) if n > 1 and d not in ENGINE_DIMS]
+                    if engine_only and unrunnable:
+                        reject(f"{'/'.join(unrunnable)} not in paraseek train yet (see all plans with --all-dims)",
+                               **_mesh(base))
+                        continue
                     best, closest, n = _best_of_mesh(args, c, base, seq_len, global_batch_size)
                     res.evaluated += n
                     if best is not None:
                         res.plans.append(best)
                     elif closest is not None:
-                        res.rejected.append(Rejected(closest.plan, _mesh(base), closest.reason, closest.memory))
+                        res.rejected.append(Rejected(closest.plan, _mesh(base), closest.reason, closest.memory,
+                                                     closest.overflow))
     res.plans.sort(key=lambda e: -e.tokens_per_s_per_gpu)
     # Closest to fitting first; structural reasons last.
-    res.rejected.sort(key=lambda r: (r.memory is None, r.memory.total if r.memory else 0.0))
+    res.rejected.sort(key=lambda r: r.overflow)
     return res
 
 
 def best_plan(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int) -> Evaluated:
     """The predicted-fastest plan that fits (what `paraseek train --plan auto` runs). Raises UserError with the
     closest miss's reason when nothing fits."""
-    res = search(args, c, seq_len, global_batch_size)
+    res = search(args, c, seq_len, global_batch_size, engine_only=True)
     if not res.plans:
         why = res.rejected[0].reason if res.rejected else "no mesh is possible"
         raise UserError(f"no parallel plan fits {c.n_gpus} x {c.gpu.name}: closest: {why}")

@@ -8,7 +8,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 from paraseek.errors import UserError
@@ -26,6 +25,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
     cfg = from_namespace(ns)
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
+    if "LOCAL_RANK" in os.environ:  # started by torchrun (or another launcher) directly: one worker of many
+        local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+        cfg.nproc, cfg.nnodes = local, world // local
+        try:
+            cfg = resolve_defaults(cfg, cuda, gpus)
+            validate(cfg, cuda, gpus)
+        except UserError as e:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        return _run_worker(cfg)
     cfg = resolve_defaults(cfg, cuda, gpus)
     validate(cfg, cuda, gpus)
     _check_model_and_data(cfg)
@@ -45,22 +55,36 @@ def _check_model_and_data(cfg: TrainConfig) -> None:
 
 
 def launch(cfg: TrainConfig) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}"]
+    """Run torch.distributed.run in this process (not as a subprocess) so that a failed worker comes back as an
+    exit code and one line, instead of the launcher's traceback and error dump."""
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logging; workers report for themselves
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = [f"--nproc-per-node={cfg.nproc}"]
     if cfg.nnodes == 1:
-        cmd.append("--standalone")
+        argv.append("--standalone")
     else:
-        cmd += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
-    cmd += ["-m", "paraseek", "train"]
-    env = dict(os.environ)
-    env[_ENV] = json.dumps(dataclasses.asdict(cfg))
+        argv += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
+    argv += ["-m", "paraseek", "train"]
+    os.environ[_ENV] = json.dumps(dataclasses.asdict(cfg))
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     if cfg.device == "cuda":
         # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
-        return subprocess.run(cmd, env=env).returncode
+        run(get_args_parser().parse_args(argv))
+        return 0
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        codes = {f.exitcode for f in e.failures.values()}
+        if 2 in codes:
+            return 2  # a user error, already printed by rank 0
+        how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -69,11 +93,17 @@ def _run_worker(cfg: TrainConfig) -> int:
     from paraseek.train.loop import train
 
     try:
-        return train(cfg)
+        rc = train(cfg)
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        rc = 2
+    # Leave without the interpreter's teardown: on CPU, gloo's threads occasionally abort the process while
+    # static objects are destroyed ("terminate called without an active exception", exit -6) after all work and
+    # output is done. Everything we write is closed by now; flush what is buffered and exit with our code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

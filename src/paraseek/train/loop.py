@@ -71,7 +71,9 @@ def train(cfg: TrainConfig) -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     try:
-        return _train(cfg, device)
+        rc = _train(cfg, device)
+        dist.barrier()  # no rank tears its process group down while another still talks to it
+        return rc
     finally:
         dist.destroy_process_group()
 
@@ -151,7 +153,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                            unit="gpu" if device.type == "cuda" else "rank")
     if is_main:
         plan = "DDP" if use_ddp else ("HSDP" if cfg.dp_replicate > 1 else "FSDP2")
-        print(f"paraseek train: {cfg.model} ({counts.total / 1e6:,.1f} M params, {counts.active / 1e6:,.1f} M active) | "
+        print(f"paraseek train: {cfg.init_from or cfg.model} ({counts.total / 1e6:,.1f} M params, {counts.active / 1e6:,.1f} M active) | "
               f"{world} x {device.type} | {plan} dp_replicate={cfg.dp_replicate} dp_shard={cfg.dp_shard} | "
               f"{cfg.precision} | global batch {cfg.global_batch_size} x {cfg.seq_len} tokens "
               f"(micro {cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}) | AC {cfg.activation_checkpointing}"

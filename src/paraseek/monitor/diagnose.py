@@ -1,0 +1,227 @@
+"""`paraseek diagnose RUN_DIR`: read a dead (or finished) run's records and say what went wrong.
+
+It reads, when present:
+  RUN_DIR/progress/rank*.json      where every rank was last (monitor/progress.py)
+  RUN_DIR/**/*.jsonl               event rows {"event": ...} among the metrics (hang, nan, loss_spike, straggler, ...)
+  RUN_DIR/errors/rank*.txt         crash reports: a JSON line (rank, host, step, exception), then the traceback
+  RUN_DIR/flight_recorder/rank*    PyTorch Flight Recorder dumps (pickles): each rank's last collectives
+and prints one verdict -- the hang (which rank did not reach which step), the crash (rank, step, exception), the
+NaN (step) -- or "no failure found", followed by the evidence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+from paraseek.errors import UserError
+from paraseek.monitor.progress import FR_DIR, PHASES, explain_hang, is_comm_timeout, missing_ranks, read_progress
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every {"event": ...} row of every JSONL file under run_dir, in file order."""
+    events = []
+    for path in sorted(run_dir.rglob("*.jsonl")):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if '"event"' not in line:
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short by the crash
+                    if isinstance(row, dict) and "event" in row:
+                        events.append({**row, "file": str(path.relative_to(run_dir))})
+        except OSError:
+            continue
+    return events
+
+
+def read_errors(run_dir: Path) -> list[dict[str, Any]]:
+    """Crash reports, earliest first (the first failure is the cause; later ones are ranks losing their peer)."""
+    reports = []
+    for path in sorted((run_dir / "errors").glob("rank*.txt")):
+        text = path.read_text(errors="replace")
+        head, _, tb = text.partition("\n")
+        try:
+            report = json.loads(head)
+        except ValueError:  # not our format: the traceback's last line is the exception
+            lines = [line for line in text.splitlines() if line.strip()]
+            rank = path.stem[len("rank"):]
+            report = {"rank": int(rank) if rank.isdigit() else None, "step": None, "time": path.stat().st_mtime,
+                      "exception": lines[-1] if lines else "", "host": None}
+            tb = text
+        report["file"] = str(path.relative_to(run_dir))
+        report["traceback"] = tb
+        reports.append(report)
+    return sorted(reports, key=lambda r: (r.get("time") is None, r.get("time") or 0, r.get("rank") or 0))
+
+
+def read_flight_recorder(run_dir: Path) -> list[dict[str, Any]]:
+    """One summary per dump file: rank, entries, and the last collective per process group (seq id, name, state)."""
+    folder = run_dir / FR_DIR
+    dumps = []
+    for path in sorted(p for p in folder.glob("*") if p.is_file() and not p.name.startswith(".")) if folder.is_dir() else []:
+        digits = "".join(ch for ch in path.name if ch.isdigit())
+        summary: dict[str, Any] = {"file": str(path.relative_to(run_dir)), "rank": int(digits) if digits else None}
+        try:
+            with open(path, "rb") as f:
+                data = pickle.load(f)
+            entries = data.get("entries", []) if isinstance(data, dict) else []
+        except Exception as e:  # not a pickle we can read (another PyTorch's format, a JSON dump): list it
+            summary["error"] = f"unreadable ({type(e).__name__})"
+            dumps.append(summary)
+            continue
+        last: dict[str, dict[str, Any]] = {}
+        for e in entries:
+            if e.get("is_p2p"):
+                continue
+            pg = e.get("process_group", ("?", ""))
+            pg_name = f"{pg[0]}:{pg[1]}" if isinstance(pg, (tuple, list)) else str(pg)
+            seq = e.get("collective_seq_id", 0)
+            if pg_name not in last or seq >= last[pg_name]["seq"]:
+                last[pg_name] = {"seq": seq, "name": e.get("profiling_name", "?"), "state": e.get("state", "?")}
+        summary["entries"] = len(entries)
+        summary["last"] = last
+        dumps.append(summary)
+    return dumps
+
+
+def _flight_recorder_lines(dumps: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    behind: dict[str, dict[int, int]] = {}
+    for d in dumps:
+        if "error" in d:
+            lines.append(f"flight recorder {d['file']}: {d['error']}")
+            continue
+        for pg, last in d.get("last", {}).items():
+            lines.append(f"flight recorder rank {d['rank']}: process group {pg}: last collective #{last['seq']} "
+                         f"{last['name']} ({last['state']})")
+            behind.setdefault(pg, {})[d["rank"]] = last["seq"]
+    for pg, seqs in behind.items():
+        if len(set(seqs.values())) > 1:
+            top = max(seqs.values())
+            late = sorted(r for r, s in seqs.items() if s < top)
+            lines.append(f"flight recorder: in process group {pg}, rank(s) {', '.join(map(str, late))} issued fewer "
+                         f"collectives than the others (#{min(seqs.values())} vs #{top})")
+    return lines
+
+
+class _AsError(RuntimeError):
+    """An exception line read back from a report, to reuse is_comm_timeout on it."""
+
+
+# What a rank raises when another rank died or hung: gloo and NCCL words for a lost peer.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "communicator was aborted",
+              "distnetworkerror", "remote process exited", "socket closed")
+
+
+def _is_victim(exception: str) -> bool:
+    return is_comm_timeout(_AsError(exception)) or any(p in exception.lower() for p in _PEER_LOST)
+
+
+def diagnose(run_dir: str | Path) -> dict[str, Any]:
+    """The verdict and the evidence, as a JSON-able dict: {"verdict", "message", "step", "rank", ...}.
+
+    Verdicts: hang, crash, oom, nan, error (a user error stopped the run), stopped (no failure recorded but the run
+    did not finish), ok."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"paraseek diagnose {run_dir}: no such folder (pass the run folder: the one holding "
+                        f"progress/, errors/ or the metrics JSONL)")
+    progress = read_progress(run_dir)
+    events = read_events(run_dir)
+    errors = read_errors(run_dir)
+    result: dict[str, Any] = {"run_dir": str(run_dir), "verdict": "ok", "message": "no failure found", "step": None,
+                              "rank": None, "progress": progress, "events": events,
+                              "errors": [{k: v for k, v in e.items() if k != "traceback"} for e in errors],
+                              "flight_recorder": read_flight_recorder(run_dir)}
+
+    def verdict(kind: str, message: str, step: Any = None, rank: Any = None) -> dict[str, Any]:
+        result.update(verdict=kind, message=message, step=step, rank=rank)
+        return result
+
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for e in events:
+        by_kind.setdefault(e["event"], []).append(e)
+    if "hang" in by_kind:
+        e = by_kind["hang"][0]
+        return verdict("hang", e.get("detail") or f"a collective hung at step {e.get('step')}", e.get("step"),
+                       e.get("rank"))
+    # The first report that is neither a rank losing its peers (a timeout waiting for the culprit, a connection the
+    # culprit's exit closed) nor a user error is the cause.
+    cause = next((r for r in errors if not _is_victim(r["exception"]) and not r["exception"].startswith("UserError")),
+                 None)
+    if cause is not None:
+        where = f" at step {cause['step']}" if cause.get("step") is not None else ""
+        host = f" (host {cause['host']})" if cause.get("host") else ""
+        kind = "oom" if "out of memory" in cause["exception"].lower() else "crash"
+        return verdict(kind, f"rank {cause['rank']}{host} failed{where}: {cause['exception']} "
+                             f"(traceback in {cause['file']})", cause.get("step"), cause.get("rank"))
+    finished = bool(progress) and all(r["phase"] == "done" for r in progress)
+    if finished:
+        step = max(r["step"] for r in progress)
+        noted = sorted({e["event"] for e in events})
+        return verdict("ok", f"no failure found: the run finished at step {step}"
+                             + (f" (events: {', '.join(noted)})" if noted else ""), step)
+    for kind in ("oom", "nan"):
+        if kind in by_kind:
+            e = by_kind[kind][0]
+            what = "the loss or the gradients became NaN/Inf" if kind == "nan" else "out of memory"
+            detail = f": {e['detail']}" if e.get("detail") else ""
+            return verdict(kind, f"{what} at step {e.get('step')}{detail}", e.get("step"), e.get("rank"))
+    user = next((r for r in errors if r["exception"].startswith("UserError")), None)
+    if user is not None:
+        return verdict("error", f"stopped at step {user.get('step')}: {user['exception']}", user.get("step"),
+                       user.get("rank"))
+    if progress:
+        front = max(progress, key=lambda r: (r["step"], PHASES.get(r["phase"], 1)))
+        step = front["step"]
+        late = missing_ranks(progress, step)
+        if late:
+            return verdict("hang", explain_hang(progress, step, ages=False), step, late[0])
+        if errors:  # only timeouts were recorded
+            return verdict("hang", f"ranks timed out in a collective at step {step}; "
+                                   + explain_hang(progress, step, ages=False), step)
+        return verdict("stopped", f"every rank stopped at step {step} ({front['phase']!r}) with no failure recorded: "
+                                  f"killed from outside, or a hang inside the step (see the Flight Recorder dumps)",
+                       step)
+    return result
+
+
+def format_diagnosis(d: dict[str, Any]) -> str:
+    lines = [f"paraseek diagnose {d['run_dir']}: {d['verdict']}", f"  {d['message']}"]
+    for r in d["progress"]:
+        lines.append(f"  progress rank {r['rank']} (host {r['host']}): step {r['step']} {r['phase']!r}")
+    for e in d["errors"]:
+        lines.append(f"  error rank {e['rank']} step {e.get('step')}: {e['exception']} ({e['file']})")
+    for e in d["events"]:
+        if e["event"] != d["verdict"]:
+            rank = f" rank {e['rank']}" if e.get("rank") is not None else ""
+            lines.append(f"  event {e['event']} step {e.get('step')}{rank}: {e.get('detail', '')}")
+    lines += [f"  {line}" for line in _flight_recorder_lines(d["flight_recorder"])]
+    return "\n".join(lines)
+
+
+def run_diagnose(ns: argparse.Namespace) -> int:
+    d = diagnose(ns.run_dir)
+    if ns.json:
+        print(json.dumps(d, indent=2, default=str))
+    else:
+        print(format_diagnosis(d))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "diagnose", help="say why a run died: the hung rank and step, the crash, the NaN",
+        description="Read a run folder's progress records, metrics events, crash reports and Flight Recorder dumps "
+        "and print the verdict: which rank did not reach which collective, which rank crashed at which step and "
+        "why, where the loss became NaN -- or that no failure was found.",
+    )
+    p.add_argument("run_dir", help="the run folder (with progress/, errors/, flight_recorder/ or a metrics JSONL)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=run_diagnose)

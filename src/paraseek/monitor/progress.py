@@ -1,0 +1,240 @@
+"""Where every rank is: a progress record per rank, independent of the communication backend, to name the rank a
+hung collective waits for.
+
+Each rank writes {rank, host, step, phase, time} at a few points of every step into the c10d store (the launcher's
+TCPStore, which still answers while a collective hangs) and atomically into RUN_DIR/progress/rank{R}.json (which
+survives the job for `paraseek diagnose`). When a collective times out, a waiting rank reads every record: the ranks
+that have not reached the step are the ones it waited for.
+
+Crash reports go to RUN_DIR/errors/rank{R}.txt: one JSON line (rank, host, step, exception) and the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+KEY = "paraseek/progress/{rank}"
+FAILED_KEY = "paraseek/failures"
+# Order of the phases within a step; a rank at (step, phase) has passed every earlier (step, phase).
+PHASES = {"start": 0, "before_step": 1, "after_step": 2, "done": 3}
+FR_DIR = "flight_recorder"  # Flight Recorder dumps: RUN_DIR/flight_recorder/rank{R}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers see the old record or the new one, never half of one
+
+
+class ProgressRecorder:
+    def __init__(self, run_dir: str | Path | None, rank: int, host: str | None = None, store: Any = None):
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.rank, self.host, self.store = rank, host or socket.gethostname(), store
+        self.last: dict[str, Any] | None = None
+        if self.run_dir:
+            (self.run_dir / "progress").mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_env(cls, run_dir: str | Path | None) -> ProgressRecorder:
+        """The recorder of this process in an initialized process group, on the launcher's store."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return cls(run_dir, dist.get_rank(), store=_get_default_store())
+
+    def mark(self, step: int, phase: str) -> None:
+        """Record that this rank reached `phase` of `step` (a store round trip and a small file write)."""
+        self.last = {"rank": self.rank, "host": self.host, "step": step, "phase": phase, "time": time.time()}
+        text = json.dumps(self.last)
+        if self.store is not None:
+            self.store.set(KEY.format(rank=self.rank), text)
+        if self.run_dir:
+            _atomic_write(self.run_dir / "progress" / f"rank{self.rank}.json", text)
+
+    def read(self, world: int) -> list[dict[str, Any]]:
+        """Every rank's record: from the store when there is one (live), else from the files."""
+        return read_progress(self.store if self.store is not None else self.run_dir, world)
+
+    def record_failure(self, exc: BaseException, step: int | None = None) -> bool:
+        """Write RUN_DIR/errors/rank{R}.txt and return True when this is the first failure of the job (the rank
+        that should print the one-line cause; the others fail because it did)."""
+        step = step if step is not None else (self.last or {}).get("step")
+        if self.run_dir:
+            folder = self.run_dir / "errors"
+            folder.mkdir(parents=True, exist_ok=True)
+            head = {"rank": self.rank, "host": self.host, "step": step, "time": time.time(),
+                    "exception": f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__}
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            _atomic_write(folder / f"rank{self.rank}.txt", json.dumps(head) + "\n" + tb)
+        if self.store is None:
+            return True
+        try:
+            return self.store.add(FAILED_KEY, 1) == 1
+        except Exception:  # the store went away with the job: say it rather than say nothing
+            return True
+
+
+def read_progress(source: str | Path | Any, world: int | None = None) -> list[dict[str, Any]]:
+    """Records sorted by rank, from a run folder (RUN_DIR/progress/rank*.json) or a c10d store (needs `world`).
+    Ranks without a record are left out."""
+    records = []
+    if isinstance(source, (str, Path)):
+        folder = Path(source) / "progress"
+        ranks = range(world) if world is not None else None
+        paths = [folder / f"rank{r}.json" for r in ranks] if ranks is not None else sorted(folder.glob("rank*.json"))
+        for path in paths:
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+    else:
+        if world is None:
+            raise ValueError("reading progress from a store needs the world size")
+        for r in range(world):
+            key = KEY.format(rank=r)
+            if source.check([key]):  # get() would block until the key exists
+                records.append(json.loads(source.get(key)))
+    return sorted(records, key=lambda rec: rec["rank"])
+
+
+def reached(record: dict[str, Any], step: int, phase: str = "before_step") -> bool:
+    position = (record["step"], PHASES.get(record["phase"], PHASES["before_step"]))
+    return position >= (step, PHASES[phase])
+
+
+def missing_ranks(records: list[dict[str, Any]], step: int, world: int | None = None) -> list[int]:
+    """Ranks that have not reached the first collective of `step` (including ranks with no record at all)."""
+    ranks = range(world) if world is not None else [r["rank"] for r in records]
+    by_rank = {r["rank"]: r for r in records}
+    return [r for r in ranks if r not in by_rank or not reached(by_rank[r], step)]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def explain_hang(records: list[dict[str, Any]], waiting_step: int, world: int | None = None,
+                 now: float | None = None, ages: bool = True) -> str:
+    """"rank 1 (host h) did not reach the collective of step 4 (last seen: step 3 'after_step' 21.3 s ago); rank 0
+    reached it" -- or, when every rank reached the step, that the hang is inside it. ages=False leaves out the
+    "s ago" (for a dead run read later)."""
+    now = time.time() if now is None else now
+    by_rank = {r["rank"]: r for r in records}
+    missing = missing_ranks(records, waiting_step, world)
+    present = [r for r in (range(world) if world is not None else sorted(by_rank)) if r not in missing]
+    if not missing:
+        return (f"every rank reached step {waiting_step}; the collective that hangs is inside the step (a rank stuck in "
+                f"a kernel, or ranks calling different collectives): see the Flight Recorder dumps")
+    parts = []
+    for r in missing:
+        rec = by_rank.get(r)
+        if rec is None:
+            parts.append(f"rank {r} did not reach the collective of step {waiting_step} (no progress recorded)")
+        else:
+            age = f" {now - rec['time']:.1f} s ago" if ages else ""
+            parts.append(f"rank {r} (host {rec['host']}) did not reach the collective of step {waiting_step} "
+                         f"(last seen: step {rec['step']} {rec['phase']!r}{age})")
+    tail = f"; {_ranks(present)} reached it" if present else ""
+    return "; ".join(parts) + tail
+
+
+def hang_event(records: list[dict[str, Any]], step: int, world: int | None = None,
+               now: float | None = None) -> dict[str, Any]:
+    """The JSONL event: {"event": "hang", "step", "rank": the (first) missing rank, "detail", "missing_ranks"}."""
+    missing = missing_ranks(records, step, world)
+    return {"event": "hang", "step": step, "rank": missing[0] if missing else None, "missing_ranks": missing,
+            "detail": explain_hang(records, step, world, now)}
+
+
+def is_comm_timeout(exc: BaseException) -> bool:
+    """Gloo raises RuntimeError('... Timed out waiting 20000ms for recv ...'); NCCL raises DistBackendError
+    ('Watchdog caught collective operation timeout ...') when the process survives its watchdog."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def comm_timeout_message(exc: BaseException, step: int, records: list[dict[str, Any]], world: int | None = None,
+                         timeout_s: float | None = None, now: float | None = None) -> str:
+    """The one message for a collective timeout: what timed out, and who did not come."""
+    after = f" after {timeout_s:g} s" if timeout_s else ""
+    return f"a collective timed out at step {step}{after}: {explain_hang(records, step, world, now)}"
+
+
+def set_comm_timeout(seconds: float) -> None:
+    """Shorten the default group's collective timeout (call after warm-up: the first steps, with compilation and
+    the first all-gathers, may legitimately take long). Gloo and NCCL both honour it."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+def flight_recorder_env(run_dir: str | Path) -> dict[str, str]:
+    """Environment for the workers: Flight Recorder on (NCCL always; gloo too on recent PyTorch), dumped on timeout
+    into RUN_DIR/flight_recorder/rank{R}. The launcher applies it with os.environ.setdefault."""
+    prefix = str(Path(run_dir).resolve() / FR_DIR / "rank")
+    return {
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+
+
+def dump_flight_recorder(run_dir: str | Path, rank: int) -> Path | None:
+    """Write this process's Flight Recorder buffer (the collectives it issued, with state and stack) to
+    RUN_DIR/flight_recorder/rank{R}, as the NCCL watchdog would. None when this PyTorch has no recorder."""
+    import pickle
+
+    import torch._C._distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    try:
+        data = dump()
+    except Exception:
+        return None
+    path = Path(run_dir) / FR_DIR / f"rank{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data if isinstance(data, bytes) else pickle.dumps(data))
+    return path
+
+
+REPORTED = 3  # a worker's exit code when it has printed the job's one-line cause itself (the launcher stays quiet)
+
+
+def report_failure(recorder: ProgressRecorder, exc: BaseException, world: int, *, timeout_s: float | None = None,
+                   jsonl: str | Path | None = None) -> str | None:
+    """What a worker does with the exception that ends it: write its crash report (and Flight Recorder dump on a
+    timeout), and on the first failing rank of the job only, append the event to the metrics JSONL and return the one
+    line to print. The other ranks (those that lose their peer) return None and stay quiet.
+
+    A collective timeout becomes {"event": "hang", "rank": the rank that did not come}; anything else
+    {"event": "crash" | "oom", "rank": this rank}."""
+    step = (recorder.last or {}).get("step")
+    if is_comm_timeout(exc):
+        records = recorder.read(world)
+        step = max([step or 0] + [r["step"] for r in records if r["phase"] == "before_step"])
+        event = hang_event(records, step, world)
+        message = comm_timeout_message(exc, step, records, world, timeout_s)
+        if recorder.run_dir:
+            dump_flight_recorder(recorder.run_dir, recorder.rank)
+    else:
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        kind = "oom" if "out of memory" in first_line.lower() else "crash"
+        where = f" at step {step}" if step is not None else ""
+        report = f" (traceback: {recorder.run_dir / 'errors' / f'rank{recorder.rank}.txt'})" if recorder.run_dir else ""
+        message = f"rank {recorder.rank} (host {recorder.host}) failed{where}: {type(exc).__name__}: {first_line}{report}"
+        event = {"event": kind, "step": step, "rank": recorder.rank, "host": recorder.host,
+                 "detail": f"{type(exc).__name__}: {first_line}"}
+    if not recorder.record_failure(exc, step):
+        return None
+    if jsonl:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(event) + "\n")
+    return message

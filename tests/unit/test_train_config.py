@@ -1,0 +1,50 @@
+"""The run configuration: TOML + flags (flags win), defaults from the machine, validation messages."""
+
+import argparse
+
+import pytest
+
+from paraseek.errors import UserError
+from paraseek.train.config import TrainConfig, add_arguments, from_namespace, resolve_defaults, validate
+from paraseek.train.loop import lr_at
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_namespace(p.parse_args(list(argv)))
+
+
+def test_toml_then_flags(tmp_path):
+    (tmp_path / "run.toml").write_text('model = "tiny-dense"\nsteps = 7\ndp-shard = 2\nactivation_checkpointing = "full"\n'
+                                       "reshard_after_forward = false\n")
+    cfg = parse("--config", str(tmp_path / "run.toml"), "--steps", "9")
+    assert (cfg.model, cfg.steps, cfg.dp_shard, cfg.activation_checkpointing) == ("tiny-dense", 9, 2, "full")
+    assert cfg.reshard_after_forward is False
+    assert parse("--reshard-after-forward", "false").reshard_after_forward is False
+
+
+def test_unknown_toml_key(tmp_path):
+    (tmp_path / "run.toml").write_text("stepz = 3\n")
+    with pytest.raises(UserError, match="unknown key 'stepz'"):
+        parse("--config", str(tmp_path / "run.toml"))
+
+
+def test_defaults_fill_the_world_and_check_the_batch():
+    cfg = resolve_defaults(TrainConfig(nproc=4, dp_replicate=2, global_batch_size=8, micro_batch_size=2), False, 0)
+    assert (cfg.device, cfg.precision, cfg.dp_shard, cfg.grad_accum_steps) == ("cpu", "fp32", 2, 1)
+    validate(cfg, False, 0)
+    with pytest.raises(UserError, match="not divisible by micro-batch 2 x data-parallel size 4 = 8"):
+        validate(TrainConfig(**{**cfg.__dict__, "global_batch_size": 12}), False, 0)
+    with pytest.raises(UserError, match="no CUDA device"):
+        validate(TrainConfig(**{**cfg.__dict__, "device": "cuda"}), False, 0)
+
+
+def test_lr_schedules():
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, steps=110, min_lr_ratio=0.1, lr_schedule="cosine")
+    assert lr_at(cfg, 5) == pytest.approx(0.5)
+    assert lr_at(cfg, 10) == pytest.approx(1.0)
+    assert lr_at(cfg, 60) == pytest.approx(0.55)  # half-way down the cosine
+    assert lr_at(cfg, 110) == pytest.approx(0.1)
+    assert lr_at(TrainConfig(**{**cfg.__dict__, "lr_schedule": "linear"}), 60) == pytest.approx(0.55)
+    assert lr_at(TrainConfig(**{**cfg.__dict__, "lr_schedule": "constant"}), 100) == 1.0
