@@ -21,6 +21,8 @@ class TrainConfig:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # HOST:PORT of node 0 for multi-node runs
+    plan: str = ""  # "auto": the planner picks the degrees, micro-batch, checkpointing and offload
+    hardware: str = ""  # a `paraseek doctor --save` profile for --plan auto (default: this machine's datasheet)
     dp_replicate: int = 1  # replicas (DDP alone; with dp_shard > 1: HSDP's all-reduce dimension, across nodes)
     dp_shard: int = -1  # FSDP2 sharding degree; -1 = whatever the world size leaves
     reshard_after_forward: bool = True  # False keeps gathered params between forward and backward (ZeRO-2-like)
@@ -65,12 +67,16 @@ class TrainConfig:
 
 
 _CHOICES = {
+    "plan": ("", "auto"),
     "device": ("cpu", "cuda"),
     "precision": ("fp32", "bf16", "fp16"),
     "lr_schedule": ("cosine", "linear", "constant"),
     "activation_checkpointing": ("none", "full", "selective"),
 }
 _HELP = {
+    "plan": "'auto': run the plan `paraseek plan` predicts fastest (sets the dp degrees, micro-batch, "
+            "checkpointing and offload)",
+    "hardware": "a `paraseek doctor --save` profile that --plan auto plans for",
     "model": "preset name (paraseek info lists them) or an HF model folder",
     "nproc": "processes on this node (default: one per GPU; 4 on CPU)",
     "dp_shard": "FSDP2 sharding degree (-1: the world size divided by the other degrees)",

@@ -37,9 +37,46 @@ def cmd_train(ns: argparse.Namespace) -> int:
             return 2
         return _run_worker(cfg)
     cfg = resolve_defaults(cfg, cuda, gpus)
+    if cfg.plan == "auto":
+        cfg = apply_auto_plan(cfg)
     validate(cfg, cuda, gpus)
     _check_model_and_data(cfg)
     return launch(cfg)
+
+
+def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
+    """--plan auto: the planner's fastest plan that fits this machine (or --hardware's profile) and that the
+    engine runs; its prediction is printed so the run can be compared with it."""
+    import torch
+
+    from paraseek.hardware.specs import spec_for_device_name
+    from paraseek.models import resolve_model
+    from paraseek.planner import best_plan, load_profile, make_cluster
+
+    args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    if cfg.hardware:
+        cluster = load_profile(cfg.hardware, n_gpus=cfg.world_size)
+    else:
+        if cfg.device != "cuda":
+            raise UserError("--plan auto plans for GPUs; on CPU give --dp-replicate/--dp-shard yourself")
+        spec = spec_for_device_name(torch.cuda.get_device_name(0))
+        if spec is None:
+            raise UserError(f"--plan auto: no datasheet for {torch.cuda.get_device_name(0)!r}; "
+                            "give a profile with --hardware (paraseek doctor --save PROFILE.json)")
+        cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
+    best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size)
+    p = best.plan
+    cfg = dataclasses.replace(
+        cfg, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, micro_batch_size=p.micro_batch_size,
+        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload,
+        reshard_after_forward=p.reshard_after_forward,
+    )
+    print(f"plan auto: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} micro-batch {p.micro_batch_size} "
+          f"AC {p.activation_checkpointing}{' cpu-offload' if p.cpu_offload else ''}"
+          f"{'' if p.reshard_after_forward else ' reshard-after-forward=false'} | predicted "
+          f"{best.memory.total / 2**30:.1f} GiB/GPU, {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {best.mfu * 100:.1f}%",
+          flush=True)
+    return cfg
 
 
 def _check_model_and_data(cfg: TrainConfig) -> None:
