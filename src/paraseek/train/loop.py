@@ -59,6 +59,26 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return total
 
 
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is not None:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            total += t.numel() * t.element_size()
+    return total
+
+
+def model_state_bytes_per_rank(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes of parameters, gradients and AdamW moments (exp_avg, exp_avg_sq; not the scalar step) that each rank
+    holds, gathered to every rank: what the planner's model_state_bytes predicts."""
+    moments = [st[k] for st in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq") if k in st]
+    local = {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params),
+             "optimizer": _local_bytes(moments)}
+    every: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    return {key: [r[key] for r in every] for key in local}
+
+
 def train(cfg: TrainConfig) -> int:
     # DTensor warns that its RNG tracker doesn't cover CPU meshes; we seed shards ourselves (see _train).
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -188,6 +208,10 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             scaler.update()
         else:
             optimizer.step()
+        if step == start_step + 1:  # where each rank's model state lives, once (the planner's prediction target)
+            layout = model_state_bytes_per_rank(params, optimizer)
+            if is_main:
+                logger.event("model_state", step, detail="bytes per rank", **layout)
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)
         loss_value = loss_sum.item() / cfg.dp_size
