@@ -86,7 +86,8 @@ def train(cfg: TrainConfig) -> int:
     if cfg.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
+        # CPU offload keeps sharded state in host memory: its collectives (e.g. the grad-norm reduction) need gloo.
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
