@@ -16,16 +16,21 @@ PLANS = {
     "fsdp2-ac-selective": ["--nproc", "2", "--dp-shard", "2", "--micro-batch-size", "2",
                            "--activation-checkpointing", "selective"],
 }
+# Expert parallelism (tiny-moe only): routed experts sharded over ep ranks of dp_shard, all-to-all dispatch.
+EP_PLANS = {
+    "fsdp2-ep2": ["--nproc", "2", "--dp-shard", "2", "--ep", "2", "--micro-batch-size", "2"],
+    "fsdp4-ep4": ["--nproc", "4", "--dp-shard", "4", "--ep", "4", "--micro-batch-size", "2"],
+    "hsdp2x2-ep2": ["--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2", "--ep", "2", "--micro-batch-size", "2"],
+}
 STEPS = ["--steps", "6"]
 
 
-@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
-def reference(request, tmp_path_factory):
+def _references(model: str, tmp_path_factory):
     """Single-process runs (1 rank, gradient accumulation over the whole global batch), one per micro-batch size:
     the same micro-batch shapes keep fp32 matmul blocking identical, so that MoE routing cannot flip on a 1e-7
     difference and the comparison isolates the data-parallel plan."""
-    root = tmp_path_factory.mktemp(request.param)
-    init = seed_checkpoint(request.param, root / "init")
+    root = tmp_path_factory.mktemp(model)
+    init = seed_checkpoint(model, root / "init")
     refs: dict[str, dict[int, float]] = {}
 
     def ref_for(micro_batch: str) -> dict[int, float]:
@@ -38,11 +43,32 @@ def reference(request, tmp_path_factory):
     return init, ref_for
 
 
-@pytest.mark.parametrize("plan", sorted(PLANS))
-def test_plan_matches_single_process(plan, reference, tmp_path):
-    init, ref_for = reference
-    ref = ref_for(PLANS[plan][PLANS[plan].index("--micro-batch-size") + 1])
-    run_train(*EXACT, *STEPS, "--init-from", str(init), *PLANS[plan], "--metrics-jsonl", "m.jsonl", cwd=tmp_path)
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
+def reference(request, tmp_path_factory):
+    return _references(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    return _references("tiny-moe", tmp_path_factory)
+
+
+def _check_plan(flags, references, tmp_path):
+    init, ref_for = references
+    ref = ref_for(flags[flags.index("--micro-batch-size") + 1])
+    run_train(*EXACT, *STEPS, "--init-from", str(init), *flags, "--metrics-jsonl", "m.jsonl", cwd=tmp_path)
     got = step_losses(tmp_path / "m.jsonl")
     assert_same_losses(got, ref, rtol=1e-4)
     assert ref[6] < ref[1]  # and it trains
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_plan_matches_single_process(plan, reference, tmp_path):
+    _check_plan(PLANS[plan], reference, tmp_path)
+
+
+@pytest.mark.parametrize("plan", sorted(EP_PLANS))
+def test_expert_parallel_plan_matches_single_process(plan, moe_reference, tmp_path):
+    """Tokens cross ranks through two all-to-alls and each expert sees them in source order, so the math is the
+    single process's; only reduction orders differ."""
+    _check_plan(EP_PLANS[plan], moe_reference, tmp_path)

@@ -104,9 +104,10 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q = apply_rope(self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim), cos_TR, sin_TR, False)
-        k = apply_rope(self.k_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), cos_TR, sin_TR, False)
-        v = self.v_proj(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism the projections hold n_heads / tp (n_kv_heads / tp) heads.
+        q = apply_rope(self.q_proj(x_BTD).view(B, T, -1, self.head_dim), cos_TR, sin_TR, False)
+        k = apply_rope(self.k_proj(x_BTD).view(B, T, -1, self.head_dim), cos_TR, sin_TR, False)
+        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale,
             enable_gqa=self.n_kv_heads != self.n_heads,
@@ -146,9 +147,9 @@ class MLA(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        H = self.n_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora_rank else self.q_proj(x_BTD)
-        q_nope, q_pe = q.view(B, T, H, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_nope, q_pe = q.view(B, T, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        H = q_nope.shape[2]  # n_heads, or n_heads / tp under tensor parallelism
         kv_latent, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(B, T, H, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -281,7 +282,8 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """DeepSeekMoE: shared experts every token passes through + fine-grained routed experts (top-K of E).
 
-    Tokens are sorted by expert so each expert's rows are contiguous, then one grouped GEMM per projection."""
+    Tokens are sorted by expert so each expert's rows are contiguous, then one grouped GEMM per projection.
+    Expert parallelism swaps `self.experts` for a module with the same call (paraseek.parallel.expert)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -295,11 +297,15 @@ class MoE(nn.Module):
         # Tokens routed to each expert in the last forward (load telemetry and V3's balancing rule read it).
         # int64: a float buffer would be cast to bf16 with the model and lose counts above 256.
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_routed_experts, dtype=torch.int64), persistent=False)
+        # Training-only balance loss (V2 expert-level, V3 sequence-wise), off by default: a callable
+        # (out_ND, scores_NE, idx_NK, n_seqs) -> out_ND that attaches the loss's gradient to the output
+        # (paraseek.parallel.expert.enable_balance_loss).
+        self.balance_loss = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         shape = x_BTD.shape
         x_ND = x_BTD.reshape(-1, shape[-1])
-        weights_NK, idx_NK, _ = self.gate(x_ND)
+        weights_NK, idx_NK, scores_NE = self.gate(x_ND)
         flat_idx = idx_NK.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)  # slots sorted by expert
         counts_E = torch.bincount(flat_idx, minlength=self.n_experts)
@@ -312,6 +318,8 @@ class MoE(nn.Module):
         y_slots = torch.empty_like(y_MD)
         y_slots[order] = y_MD
         out_ND = (y_slots.view(-1, self.top_k, y_MD.shape[-1]).float() * weights_NK.unsqueeze(-1)).sum(1).to(x_ND.dtype)
+        if self.balance_loss is not None:
+            out_ND = self.balance_loss(out_ND, scores_NE, idx_NK, shape[0] if len(shape) == 3 else 1)
         if self.shared_experts is not None:
             out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND.view(shape)
@@ -393,7 +401,8 @@ class Transformer(nn.Module):
     def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits)."""
         h_BTD = self.embed_tokens(input_ids_BT) if self.embed_tokens is not None else input_ids_BT
-        cos_TR, sin_TR = self.rope_cos_sin(h_BTD.shape[1], h_BTD.device)
+        # The length from the input: with sequence parallelism h_BTD holds only this rank's T / tp positions.
+        cos_TR, sin_TR = self.rope_cos_sin(input_ids_BT.shape[1], h_BTD.device)
         cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, cos_TR, sin_TR)
@@ -404,7 +413,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         h_BTD = self.hidden_states(input_ids_BT)
-        return F.linear(h_BTD, self.output_weight())
+        # Through the lm_head module (same math as F.linear) so that a tensor-parallel plan's hooks on it apply.
+        return self.lm_head(h_BTD) if self.lm_head is not None else F.linear(h_BTD, self.embed_tokens.weight)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, device: torch.device | None = None) -> None:

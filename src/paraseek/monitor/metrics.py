@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 # Metrics that go to TensorBoard as scalars (the JSONL gets everything).
-_TB_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s")
+_TB_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s",
+            "expert_load_max_over_mean", "loss_scale")
 
 
 class MetricsLogger:

@@ -32,6 +32,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.all_to_all_single.default,  # expert dispatch: never redo communication
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
@@ -62,14 +63,22 @@ def apply_compile(model: Transformer) -> None:
         block.compile()
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, precision: str, reshard_after_forward: bool, cpu_offload: bool) -> None:
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, precision: str, reshard_after_forward: bool, cpu_offload: bool,
+               expert_dp_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 per block, then the root (embedding, final norm, head). With dp_replicate > 1 the 2-D mesh makes it HSDP.
-    Mixed precision: compute in `precision`, keep fp32 master weights, reduce gradients in fp32."""
+    Mixed precision: compute in `precision`, keep fp32 master weights, reduce gradients in fp32. With expert
+    parallelism the EP-sharded experts are wrapped first, over the dp ranks outside their EP group."""
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
     kw = dict(mesh=dp_mesh, mp_policy=mp)
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
+    if expert_dp_mesh is not None:
+        from paraseek.parallel.expert import apply_expert_fsdp
+
+        dp_size = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+        expert_kw = {k: v for k, v in kw.items() if k != "mesh"}
+        apply_expert_fsdp(model, expert_dp_mesh, dp_size, reshard_after_forward=reshard_after_forward, **expert_kw)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block is resharded by the root's backward anyway; keeping it gathered saves one all-gather.

@@ -25,6 +25,9 @@ class TrainConfig:
     hardware: str = ""  # a `paraseek doctor --save` profile for --plan auto (default: this machine's datasheet)
     dp_replicate: int = 1  # replicas (DDP alone; with dp_shard > 1: HSDP's all-reduce dimension, across nodes)
     dp_shard: int = -1  # FSDP2 sharding degree; -1 = whatever the world size leaves
+    ep: int = 1  # expert parallel: routed experts sharded over ep consecutive ranks of dp_shard (all-to-all dispatch)
+    moe_bias_gamma: float = -1.0  # V3's aux-loss-free balancing rate; -1 = 0.001 for noaux_tc models, else off
+    moe_aux_loss_alpha: float = -1.0  # balance loss weight; -1 = the model's (V2: aux_loss_alpha; V3: off), 0 = off
     reshard_after_forward: bool = True  # False keeps gathered params between forward and backward (ZeRO-2-like)
     steps: int = 100
     seq_len: int = 2048
@@ -74,6 +77,10 @@ _CHOICES = {
     "activation_checkpointing": ("none", "full", "selective"),
 }
 _HELP = {
+    "ep": "expert-parallel degree: routed experts sharded over ep ranks borrowed from --dp-shard",
+    "moe_bias_gamma": "DeepSeek-V3 balancing: bias += gamma * sign(mean load - load) after each step "
+                      "(-1: 0.001 for noaux_tc models)",
+    "moe_aux_loss_alpha": "weight of the MoE balance loss (-1: the model's default; 0: off)",
     "plan": "'auto': run the plan `paraseek plan` predicts fastest (sets the dp degrees, micro-batch, "
             "checkpointing and offload)",
     "hardware": "a `paraseek doctor --save` profile that --plan auto plans for",
@@ -167,6 +174,9 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
             f"--global-batch-size {cfg.global_batch_size} is not divisible by micro-batch {cfg.micro_batch_size} x "
             f"data-parallel size {cfg.dp_size} = {per_step}"
         )
+    if cfg.ep <= 0 or cfg.dp_shard % cfg.ep:
+        raise UserError(f"--ep {cfg.ep} must divide --dp-shard {cfg.dp_shard} (expert parallelism borrows "
+                        "data-parallel ranks)")
     if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if cfg.grad_compression != "none":

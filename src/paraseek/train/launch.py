@@ -86,6 +86,8 @@ def _check_model_and_data(cfg: TrainConfig) -> None:
     from paraseek.train.data import open_dataset
 
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    if cfg.ep > 1 and (not args.n_routed_experts or args.n_routed_experts % cfg.ep):
+        raise UserError(f"--ep {cfg.ep}: the model has {args.n_routed_experts} routed experts; ep must divide them")
     if cfg.data != "synthetic":
         open_dataset(cfg.data, seq_len=cfg.seq_len, vocab_size=args.vocab_size, tokenizer=cfg.tokenizer or None,
                      seed=cfg.seed)
@@ -94,9 +96,15 @@ def _check_model_and_data(cfg: TrainConfig) -> None:
 def launch(cfg: TrainConfig) -> int:
     """Run torch.distributed.run in this process (not as a subprocess) so that a failed worker comes back as an
     exit code and one line, instead of the launcher's traceback and error dump."""
-    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # the elastic agent's own logging; workers report for themselves
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    # The elastic agent's own warnings and error dumps: the workers report for themselves, and so do we below.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
     argv = [f"--nproc-per-node={cfg.nproc}"]
     if cfg.nnodes == 1:

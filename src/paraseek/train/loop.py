@@ -8,6 +8,7 @@ is that of mean(token losses over the global batch) -- identical to one process 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import resource
@@ -29,6 +30,10 @@ from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into, save_hf_state
 from paraseek.monitor.metrics import MetricsLogger
 from paraseek.parallel.apply import DTYPES, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp, build_mesh
+from paraseek.parallel.expert import (
+    ExpertLoad, apply_expert_parallel, clip_grad_norm, enable_balance_loss, ep_meshes, load_stats, moe_layers,
+    update_routing_bias,
+)
 from paraseek.train.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader, open_dataset
@@ -45,18 +50,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     if cfg.lr_schedule == "linear":
         return floor + (cfg.lr - floor) * (1 - progress)
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm over all (possibly sharded) gradients, then clip. For DTensor grads the per-shard norms are
-    combined across ranks (full_tensor), so the norm is that of the whole model on every rank."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
 
 
 def _local_bytes(tensors) -> int:
@@ -82,6 +75,9 @@ def model_state_bytes_per_rank(params: list[torch.nn.Parameter], optimizer: torc
 def train(cfg: TrainConfig) -> int:
     # DTensor warns that its RNG tracker doesn't cover CPU meshes; we seed shards ourselves (see _train).
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    # With EP the grad norm spans two mesh dims; DTensor logs that it all-reduces them one after the other (correct,
+    # a few scalars per step).
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.device == "cuda":
         torch.cuda.set_device(local_rank)
@@ -122,11 +118,14 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     # meta -> parallelize -> materialize -> init or load (no rank ever holds the whole model)
     with torch.device("meta"):
         model = Transformer(args)
+    meshes = ep_meshes(mesh, cfg.ep) if cfg.ep > 1 else {}
+    if meshes:
+        apply_expert_parallel(model, meshes["ep"])
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
     if not use_ddp:
-        apply_fsdp(model, mesh, cfg.precision, cfg.reshard_after_forward, cfg.cpu_offload)
+        apply_fsdp(model, mesh, cfg.precision, cfg.reshard_after_forward, cfg.cpu_offload, meshes.get("expert_dp"))
     model.to_empty(device="cpu" if cfg.cpu_offload else device)
     if cfg.init_from:
         load_state_into(model, cfg.init_from)
@@ -148,6 +147,15 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     # DDP has no mixed-precision policy of its own: autocast keeps fp32 master weights and bf16/fp16 compute.
     autocast = (torch.autocast(device.type, dtype=DTYPES[cfg.precision])
                 if use_ddp and cfg.precision != "fp32" else nullcontext())
+
+    # MoE: load telemetry every step, V3's bias balancing, the optional balance loss.
+    expert_load = ExpertLoad(inner) if moe_layers(inner) else None
+    gamma = cfg.moe_bias_gamma if cfg.moe_bias_gamma >= 0 else (0.001 if args.topk_method == "noaux_tc" else 0.0)
+    if expert_load is not None:
+        alpha = None if cfg.moe_aux_loss_alpha < 0 else cfg.moe_aux_loss_alpha
+        if alpha is None and args.topk_method == "noaux_tc":
+            alpha = 0.0  # V3 trains without the auxiliary loss by default (its bias does the balancing)
+        enable_balance_loss(inner, alpha, scale=1.0 / cfg.grad_accum_steps)
 
     start_step = 0
     if cfg.resume:
@@ -178,6 +186,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
               f"{world} x {device.type} | {plan} dp_replicate={cfg.dp_replicate} dp_shard={cfg.dp_shard} | "
               f"{cfg.precision} | global batch {cfg.global_batch_size} x {cfg.seq_len} tokens "
               f"(micro {cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}) | AC {cfg.activation_checkpointing}"
+              f"{f' | ep={cfg.ep}' if cfg.ep > 1 else ''}"
               f"{' | compile' if cfg.compile else ''}", flush=True)
 
     step_times: list[float] = []
@@ -200,6 +209,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
                 loss = loss / tokens_per_rank_step
             (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
+            if expert_load is not None:
+                expert_load.observe()
             del logits, loss
         if scaler:
             scaler.unscale_(optimizer)
@@ -209,6 +220,12 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             scaler.update()
         else:
             optimizer.step()
+        moe_metrics = {}
+        if expert_load is not None:
+            load_YE = expert_load.reduce()
+            moe_metrics = load_stats(load_YE)
+            if gamma > 0:
+                update_routing_bias(inner, gamma, load_YE=load_YE)
         if step == start_step + 1:  # where each rank's model state lives, once (the planner's prediction target)
             layout = model_state_bytes_per_rank(params, optimizer)
             if is_main:
@@ -232,6 +249,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         }
         if scaler:
             metrics["loss_scale"] = scaler.get_scale()
+        metrics.update(moe_metrics)
         logger.step(metrics)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
             path = save_checkpoint(cfg.checkpoint_dir, step, inner, optimizer,

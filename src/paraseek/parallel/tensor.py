@@ -1,0 +1,354 @@
+"""Tensor parallelism with sequence parallelism through PyTorch's DTensor TP API (TorchTitan's plan, adapted to MLA
+and DeepSeekMoE).
+
+Megatron-LM's layout (Shoeybi et al. 2019, sec. 3): column-parallel q/k/v (or MLA's up-projections) and gate/up,
+row-parallel o and down, so each block costs one all-reduce in forward and one in backward per sub-layer. With
+sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2) the all-reduce becomes a reduce-scatter + all-gather
+pair and everything between two sub-layers (norms, residual adds, the routed experts here) runs on T / tp tokens.
+The vocabulary is sharded too: the embedding row-wise (each rank owns V / tp rows) and the output head
+column-wise, whose logits stay sharded on V and go straight into `loss_parallel()` -- the [B, T, V] logits of a
+102k-129k vocabulary are never gathered whole.
+
+Layouts (tp ranks of one dp rank all see the same batch; S = sequence-sharded Shard(1), R = replicated):
+
+    embed_tokens   RowwiseParallel      ids R -> h S (SP) or R
+    *norm          SequenceParallel     S -> S (SP only; without SP the norms are plain modules on R)
+    self_attn      q,k,v colwise / o rowwise (GQA); MLA: q_proj|q_b_proj, kv_b_proj colwise, o_proj rowwise,
+                   q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm replicated (the latent is shared)
+    mlp (dense)    gate/up colwise, down rowwise
+    mlp (MoE)      shared experts as a dense MLP on all tokens; router + routed experts replicated and run on
+                   this rank's T / tp tokens (SP) -- each rank routes its own tokens -- or on all tokens (no SP)
+    lm_head        ColwiseParallel      h S|R -> logits Shard(-1), a DTensor for loss_parallel()
+
+Gradients of replicated parameters. A replicated parameter that only sees this rank's tokens (SP norms, the router
+and routed experts) or only this rank's heads (MLA's shared down-projections, whose output feeds the local heads)
+gets a partial gradient; the true one is the sum over tp. The norms are Replicate DTensors, whose gradient comes
+back as a Partial DTensor that FSDP2 reduces on its own. The router, the routed experts and MLA's replicated
+modules stay plain parameters (the routing code indexes, sorts and splits by counts: it runs on local tensors),
+and `reduce_tp_grads(model)` sums their gradients over tp -- call it after the last backward of a step, before
+clipping (it also reduces the norms' Partial gradients where no FSDP2 did).
+
+The loss: inside `torch.distributed.tensor.parallel.loss_parallel()`, forward *and* backward,
+`F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")` on the vocab-sharded DTensor logits
+(labels a plain tensor, the same on every tp rank) returns a replicated DTensor scalar; see `tp_loss`.
+
+Order (TorchTitan's): TP -> activation checkpointing -> torch.compile -> FSDP2 on the dp sub-mesh of the same
+DeviceMesh (tp the innermost mesh dim), on a model still on the meta device.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from paraseek.errors import UserError
+from paraseek.models.args import ModelArgs
+from paraseek.models.deepseek import MLA, MLP, Attention, Block, MoE, Transformer
+
+# Modules whose own parameters get partial gradients over tp; the value is the tp mesh (see reduce_tp_grads).
+_PARTIAL_GRAD_ATTR = "_paraseek_tp_partial_grad_mesh"
+
+
+def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
+    """Raise UserError unless `tp` divides every dimension that tensor parallelism shards for this model."""
+    if tp < 1:
+        raise UserError(f"--tp {tp}: the tensor-parallel degree must be at least 1")
+    if tp == 1:
+        return
+    dims = {"attention heads (num_attention_heads)": args.n_heads, "vocab_size": args.vocab_size}
+    if not args.is_mla:
+        dims["key/value heads (num_key_value_heads)"] = args.n_kv_heads
+    if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
+        dims["intermediate_size"] = args.inter_dim
+    if args.n_routed_experts and args.n_shared_experts:
+        dims["shared-expert width (moe_intermediate_size x n_shared_experts)"] = args.moe_inter_dim * args.n_shared_experts
+    bad = {name: n for name, n in dims.items() if n % tp}
+    if bad:
+        fits = [d for d in range(2, 65) if all(n % d == 0 for n in dims.values())]
+        what = ", ".join(f"{name} = {n}" for name, n in bad.items())
+        hint = f"--tp {' or '.join(map(str, fits))} would" if fits else "only --tp 1 does"
+        raise UserError(f"--tp {tp} does not divide the model's {what}; {hint}")
+
+
+class _ReplicateKeepPartialGrad(torch.autograd.Function):
+    """A local tensor, equal on every tp rank, as a Replicate DTensor for a column-parallel layer, whose gradient
+    comes back as this rank's summand (the Partial DTensor's local part) instead of being all-reduced there.
+
+    Used inside MLA, where the replicated down-projections and the shared RoPE key feed only this rank's heads:
+    their gradients are all partial, and the sum over tp happens once, where the attention input was gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:  # type: ignore[override]
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        if not isinstance(grad, DTensor):  # the layer's output was not used as a DTensor: nothing is partial
+            return grad, None
+        local = grad.to_local()
+        # Partial is what a column-parallel matmul's backward gives. A replicated gradient (torch.compile traces
+        # the backward first with the output's own placements) is the whole sum on every rank: 1/tp of it each.
+        if not grad.placements[0].is_partial():
+            local = local / grad.device_mesh.size()
+        return local, None
+
+
+def _keep_partial_grad_input(mesh: DeviceMesh):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        if not isinstance(x, DTensor):
+            x = _ReplicateKeepPartialGrad.apply(x, mesh)
+        return (x, *rest)
+
+    return hook
+
+
+def _gather_attention_input(mesh: DeviceMesh, layout):
+    """MLA's input pre-hook: the sequence shard (SP) or replicated input becomes the full local tensor; in backward
+    the partial input gradient of this rank's heads is reduce-scattered (SP) or all-reduced over tp."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        x_dt = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
+        if layout != Replicate():
+            x_dt = x_dt.redistribute(placements=(Replicate(),))
+        return (x_dt.to_local(grad_placements=(Partial(),)), *rest)
+
+    return hook
+
+
+def _mark_partial_grad(module: nn.Module, mesh: DeviceMesh) -> None:
+    setattr(module, _PARTIAL_GRAD_ATTR, mesh)
+
+
+def _parallelize_attention(attn: Attention, mesh: DeviceMesh, seq: object) -> None:
+    parallelize_module(attn, mesh, {
+        "": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+        "q_proj": ColwiseParallel(),
+        "k_proj": ColwiseParallel(),
+        "v_proj": ColwiseParallel(),
+        "o_proj": RowwiseParallel(output_layouts=seq),
+    })
+
+
+def _parallelize_mla(attn: MLA, mesh: DeviceMesh, seq: object) -> None:
+    up = ["q_b_proj" if attn.q_lora_rank else "q_proj", "kv_b_proj"]
+    parallelize_module(attn, mesh, {**{name: ColwiseParallel() for name in up}, "o_proj": RowwiseParallel(output_layouts=seq)})
+    attn.register_forward_pre_hook(_gather_attention_input(mesh, seq))
+    for name in up:
+        # Before ColwiseParallel's own input hook, which would all-reduce the input gradient.
+        getattr(attn, name).register_forward_pre_hook(_keep_partial_grad_input(mesh), prepend=True)
+    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        if hasattr(attn, name):
+            _mark_partial_grad(getattr(attn, name), mesh)
+
+
+def _parallelize_mlp(mlp: MLP, mesh: DeviceMesh, layout: object, out_layout: object) -> None:
+    parallelize_module(mlp, mesh, {
+        "": PrepareModuleInput(input_layouts=(layout,), desired_input_layouts=(Replicate(),)),
+        "gate_proj": ColwiseParallel(),
+        "up_proj": ColwiseParallel(),
+        "down_proj": RowwiseParallel(output_layouts=out_layout),
+    })
+
+
+def _parallelize_moe(moe: MoE, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    if sequence_parallel:
+        # The MoE works on this rank's tokens as a plain tensor: routing sorts and splits rows by expert counts.
+        parallelize_module(moe, mesh, PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                         use_local_output=True))
+        _mark_partial_grad(moe.gate, mesh)
+        _mark_partial_grad(moe.experts, mesh)
+    if moe.shared_experts is not None:
+        # MoE.forward hands the shared experts its flattened tokens [N, D]: with SP, this rank's N / tp rows
+        # (Shard(0) of the rank-ordered concatenation), gathered for the column-parallel projections and
+        # reduce-scattered back to the same rows.
+        layout = Shard(0) if sequence_parallel else Replicate()
+        _parallelize_mlp(moe.shared_experts, mesh, layout, layout)
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Shard `model` in place over the 1-D `tp_mesh` (the "tp" sub-mesh of the run's DeviceMesh); before
+    activation checkpointing, torch.compile and FSDP2, on the meta device or on real weights.
+
+    Tied embeddings are supported: the embedding's vocab-sharded weight serves as the column-parallel head.
+    The MTP modules (not run by `forward`) stay replicated. Sequence lengths must be divisible by tp under SP."""
+    tp = tp_mesh.size()
+    args = model.args
+    check_tensor_parallel(args, tp)
+    if tp == 1:
+        return
+    if any(not isinstance(b, Block) for b in model.layers.values()):
+        raise ValueError("apply_tensor_parallel must run before activation checkpointing / compile wrap the blocks")
+    seq = Shard(1) if sequence_parallel else Replicate()
+
+    if model.embed_tokens is not None:
+        parallelize_module(model.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
+        model.embed_tokens.register_forward_hook(_sync_redistribute(seq), prepend=True)
+    for block in model.layers.values():
+        if sequence_parallel:
+            parallelize_module(block.input_layernorm, tp_mesh, SequenceParallel())
+            parallelize_module(block.post_attention_layernorm, tp_mesh, SequenceParallel())
+        if isinstance(block.self_attn, MLA):
+            _parallelize_mla(block.self_attn, tp_mesh, seq)
+        else:
+            _parallelize_attention(block.self_attn, tp_mesh, seq)
+        if isinstance(block.mlp, MoE):
+            _parallelize_moe(block.mlp, tp_mesh, sequence_parallel)
+        else:
+            _parallelize_mlp(block.mlp, tp_mesh, seq, seq)
+    if model.norm is not None and sequence_parallel:
+        parallelize_module(model.norm, tp_mesh, SequenceParallel())
+    if model.lm_head is not None:
+        parallelize_module(model.lm_head, tp_mesh,
+                           ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False))
+    elif model.norm is not None:
+        # Tied: forward computes F.linear(h, embed_tokens.weight), a Shard(0) DTensor over the vocab; a replicated
+        # DTensor h makes that a column-parallel matmul whose logits come out Shard(-1) with no communication.
+        parallelize_module(model.norm, tp_mesh,
+                           PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False))
+    if sequence_parallel:
+        model.register_forward_pre_hook(_check_seq_len(tp))
+
+
+def _sync_redistribute(layout):
+    """Forward hook ahead of RowwiseParallel's own: reduce the embedding's partial output synchronously. The style
+    redistributes with async_op=True, and the resulting AsyncCollectiveTensor entering a torch.compile'd block
+    loses its DTensor gradient on the way back (seen in torch 2.13: "'Tensor' object has no attribute
+    '_local_tensor'" in Redistribute.backward)."""
+
+    def hook(module: nn.Module, args: tuple, out: DTensor) -> DTensor:
+        return out.redistribute(placements=(layout,)) if out.placements != (layout,) else out
+
+    return hook
+
+
+def _check_seq_len(tp: int):
+    def hook(module: nn.Module, args: tuple) -> None:
+        if args and args[0].dim() == 2 and args[0].shape[1] % tp:
+            raise UserError(f"sequence length {args[0].shape[1]} is not divisible by --tp {tp}, as sequence "
+                            f"parallelism needs; choose a --seq-len that is a multiple of {tp}")
+
+    return hook
+
+
+@torch.no_grad()
+def reduce_tp_grads(model: nn.Module) -> None:
+    """Finish the gradients of tensor-parallel replicated parameters; after the step's last backward, before
+    clipping (and after FSDP2's reduce-scatter, which backward already ran).
+
+    Sums over tp the gradients of the modules marked partial (MLA's shared down-projections; the router and routed
+    experts under SP), one all-reduce per dtype: their local gradient (a plain tensor, or FSDP2's dp shard, which
+    every tp rank of a dp rank holds alike) is this rank's summand. Redistributes any remaining Partial DTensor
+    gradient (SP norms when no FSDP2 reduced them) to its parameter's placements."""
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for m in model.modules():
+        mesh = getattr(m, _PARTIAL_GRAD_ATTR, None)
+        if mesh is None:
+            continue
+        for p in m.parameters(recurse=False):
+            if p.grad is not None:
+                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                buckets.setdefault((id(mesh), g.dtype, g.device), [mesh]).append(g)
+    for mesh, *grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=mesh.get_group())
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+    for p in model.parameters():
+        if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+def _sharded_over_tp(t: torch.Tensor, tp_name: str) -> bool:
+    if not isinstance(t, DTensor) or tp_name not in (t.device_mesh.mesh_dim_names or ()):
+        return False  # plain, or a DTensor on a mesh without tp (FSDP2's dp shards of a tp-replicated parameter)
+    return not t.placements[t.device_mesh.mesh_dim_names.index(tp_name)].is_replicate()
+
+
+@torch.no_grad()
+def init_weights_tp(model: Transformer, tp_mesh: DeviceMesh, seed: int, device: torch.device | None = None) -> None:
+    """Initialize a tensor-parallel model from scratch (after `to_empty`): its tp shards drawn independently, its
+    tp-replicated parameters and buffers the same on every tp rank. `seed` as without TP (the loop's seed + dp
+    shard coordinate). DTensor's own RNG tracker exists only for CUDA meshes: on a CPU mesh every tp rank would draw
+    the same shard, duplicating heads and columns, so the seed is offset by the tp coordinate here and whatever is
+    replicated over tp is then broadcast from tp rank 0."""
+    tp_name = (tp_mesh.mesh_dim_names or ("tp",))[0]
+    torch.manual_seed(seed + 1_000_003 * tp_mesh.get_local_rank())
+    model.init_weights(device=device)
+    group = tp_mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    for t in [*model.parameters(), *model.buffers()]:
+        if not _sharded_over_tp(t, tp_name):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            dist.broadcast(local, src=src, group=group)
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of all gradients, the same on every rank, whatever mix of plain tensors and DTensors on different
+    meshes they are (TP's 2-D (dp, tp) parameters next to the dp-only sharded routed experts). Plain gradients are
+    taken as replicated. Call after reduce_tp_grads."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p.grad)
+    total_sq = None
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq = norm.float() ** 2 if total_sq is None else total_sq + norm.float().to(total_sq.device) ** 2
+    return total_sq.sqrt() if total_sq is not None else torch.zeros(())
+
+
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """grad_norm, then scale every gradient by min(1, max_norm / norm) (no-op for max_norm <= 0); returns the norm."""
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm(params)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            local.mul_(coef.to(device=local.device, dtype=local.dtype))
+    return total
+
+
+def tp_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Sum of the token cross-entropies. With vocab-sharded DTensor logits (the TP head's output) call it, and run
+    backward, inside `loss_parallel()` (see loss_context): each rank computes log-softmax on its V / tp columns
+    with a max and a sum all-reduced over tp, never the whole [B, T, V]. Returns a replicated DTensor scalar then
+    (`.full_tensor()` for a plain value); a plain tensor for plain logits."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), reduction="sum")
+
+
+def loss_context(tensor_parallel: bool):
+    """`loss_parallel()` when the model is tensor-parallel, else a no-op; wrap forward, loss and backward in it."""
+    return loss_parallel() if tensor_parallel else nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for logging: the full value of a (replicated) DTensor, `t` itself otherwise."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+__all__ = [
+    "apply_tensor_parallel", "check_tensor_parallel", "reduce_tp_grads", "grad_norm", "clip_grad_norm_",
+    "tp_loss", "loss_context", "local_value",
+]
