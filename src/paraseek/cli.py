@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     register_train(sub)
     register_plan(sub)
     register_doctor(sub)
+    from paraseek.monitor.diagnose import register as register_diagnose
+
+    register_diagnose(sub)
 
     demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus",
                           description="CPU: trains tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes with HSDP 2x2 "

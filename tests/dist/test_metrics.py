@@ -13,6 +13,8 @@ def test_jsonl_and_tensorboard(tmp_path):
     r = run_train(*EXACT, "--model", "tiny-dense", "--steps", "3", "--nproc", "2", "--micro-batch-size", "2",
                   "--metrics-jsonl", "m.jsonl", "--tensorboard", "tb", cwd=tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [row["event"] for row in rows if "event" in row] == ["model_state"]  # where each rank's state lives
+    rows = [row for row in rows if "event" not in row]
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
         assert SCHEMA <= set(row)

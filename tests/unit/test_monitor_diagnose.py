@@ -31,8 +31,13 @@ def _cli(*argv):
     return ns.func(ns)
 
 
-def test_hang_from_progress_alone(tmp_path, capsys):
+def test_hang_from_progress_and_a_timeout_report(tmp_path, capsys):
     _progress(tmp_path, (0, 4, "before_step"), (1, 3, "after_step"), (2, 4, "before_step"), (3, 4, "before_step"))
+    d = diagnose(tmp_path)  # ranks apart, but nobody timed out: the job was stopped from outside
+    assert (d["verdict"], d["step"], d["rank"]) == ("stopped", 4, 1)
+    assert "at that time rank 1 (host node0) did not reach the collective of step 4" in d["message"]
+    ProgressRecorder(tmp_path, 0, "node0").record_failure(  # rank 0 timed out waiting
+        RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation"), 4)
     d = diagnose(tmp_path)
     assert (d["verdict"], d["step"], d["rank"]) == ("hang", 4, 1)
     assert d["message"] == ("rank 1 (host node0) did not reach the collective of step 4 (last seen: step 3 "
@@ -79,7 +84,8 @@ def test_nan_stop(tmp_path):
 
 def test_finished_run_and_unfinished_without_failure(tmp_path):
     _progress(tmp_path, (0, 10, "done"), (1, 10, "done"))
-    _events(tmp_path, {"event": "nan", "step": 3, "rank": None, "detail": "loss is nan (update skipped)"})
+    _events(tmp_path, {"event": "model_state", "step": 1, "rank": None, "detail": "bytes per rank"},
+            {"event": "nan", "step": 3, "rank": None, "detail": "loss is nan (update skipped)"})
     d = diagnose(tmp_path)
     assert d["verdict"] == "ok" and d["message"] == "no failure found: the run finished at step 10 (events: nan)"
     _progress(tmp_path, (0, 7, "after_step"), (1, 7, "after_step"))
@@ -106,7 +112,8 @@ def test_flight_recorder_dumps(tmp_path, capsys):
     fr.mkdir()
     (fr / "rank0").write_bytes(pickle.dumps({"version": "2.10", "entries": [
         _entry(1, "nccl:all_gather", "completed"), _entry(2, "nccl:reduce_scatter", "started")]}))
-    (fr / "rank1").write_bytes(pickle.dumps({"version": "2.10", "entries": [_entry(1, "nccl:all_gather", "completed")]}))
+    (fr / "rank1").write_bytes(pickle.dumps({"version": "2.10",
+                                             "entries": [_entry(1, "nccl:all_gather", "completed")]}))
     (fr / "rank2").write_text("{not a pickle")
     d = diagnose(tmp_path)
     by_rank = {x["rank"]: x for x in d["flight_recorder"]}
@@ -115,3 +122,15 @@ def test_flight_recorder_dumps(tmp_path, capsys):
     _cli(str(tmp_path))
     out = capsys.readouterr().out
     assert "in process group 0:default_pg, rank(s) 1 issued fewer collectives than the others (#1 vs #2)" in out
+
+
+def test_only_the_latest_attempt_counts(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "old")
+    for rank in range(4):  # a 4-rank attempt that crashed at step 3 ...
+        ProgressRecorder(tmp_path, rank, "h").mark(3, "before_step")
+    ProgressRecorder(tmp_path, 3, "h").record_failure(RuntimeError("boom"), 3)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "new")
+    for rank in range(2):  # ... resumed on 2 ranks, which finished
+        ProgressRecorder(tmp_path, rank, "h").mark(6, "done")
+    d = diagnose(tmp_path)
+    assert d["verdict"] == "ok" and [r["rank"] for r in d["progress"]] == [0, 1] and d["errors"] == []

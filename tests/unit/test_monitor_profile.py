@@ -59,12 +59,14 @@ def test_cpu_summary_nesting_and_threads():
     events = [_x("ProfilerStep#1", 0, 20, "user_annotation"),
               _x("aten::linear", 0, 10, "cpu_op"), _x("aten::addmm", 0, 2, "cpu_op"),
               _x("c10d::allreduce_", 2, 4, "cpu_op"), _x("record_param_comms", 2, 3, "cpu_op"),
-              _x("aten::mm", 4, 4, "cpu_op", tid=2), _x("aten::broadcast_tensors", 14, 1, "cpu_op")]
+              _x("aten::mm", 4, 4, "cpu_op", tid=2), _x("aten::broadcast_tensors", 14, 1, "cpu_op"),
+              _x("gloo:all_gather", 11, 2, "user_annotation", tid=3), _x("FSDP::pre_forward", 0, 20, "user_annotation")]
     s = summarize_events(events)
     assert s["device"] == "cpu"
     # compute: [0,2) U [6,10) on thread 1, [4,8) on thread 2, [14,15) -> [0,2) U [4,10) U [14,15) = 9 us
-    # comm: [2,6) = 4 us; overlap with thread 2's compute: [4,6) = 2 us; busy 11 of 20 -> idle 9
-    assert (s["compute_ms"], s["comm_ms"], s["overlap_ms"], s["idle_ms"]) == pytest.approx((0.009, 0.004, 0.002, 0.009))
+    # comm: [2,6) and gloo's worker thread [11,13) = 6 us; overlap with thread 2's compute: [4,6) = 2 us;
+    # busy 13 of 20 -> idle 7 (annotations that are not collectives, like FSDP::pre_forward, are not busy time)
+    assert (s["compute_ms"], s["comm_ms"], s["overlap_ms"], s["idle_ms"]) == pytest.approx((0.009, 0.006, 0.002, 0.007))
     top = {t["name"]: t["total_ms"] for t in s["top"]}  # self times: linear 10 - 2 - 4 = 4
     assert top == pytest.approx({"aten::linear": 0.004, "aten::mm": 0.004, "aten::addmm": 0.002,
                                  "record_param_comms": 0.003, "c10d::allreduce_": 0.001,
@@ -97,7 +99,8 @@ def test_real_cpu_profile(tmp_path):
     assert [s is not None for s in summaries] == [False, False, True, False, False]
     s = summaries[2]
     trace = json.loads((tmp_path / "profile" / "rank0.json").read_text())
-    marks = sorted(e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep"))
+    marks = sorted(e["name"] for e in trace["traceEvents"]
+                   if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep"))
     assert marks == ["ProfilerStep#2", "ProfilerStep#3"] and s["steps"] == 2
     assert json.loads((tmp_path / "profile" / "rank0.summary.json").read_text())["steps"] == 2
     assert s["compute_ms"] > 0 and s["comm_ms"] > 0
@@ -106,3 +109,41 @@ def test_real_cpu_profile(tmp_path):
     names = {t["name"] for t in s["top"]}
     assert names & {"aten::addmm", "aten::mm", "aten::gelu", "aten::gelu_backward", "c10d::allreduce_"}
     assert format_summary(0, s).startswith("profile rank 0 (cpu, ")
+
+
+def _cuda_worker(rank, store_path, run_dir):
+    import os
+
+    from paraseek.monitor.health import gather_step_times
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(64 * 2**20, device="cuda")
+    prof = StepProfiler("2:3", run_dir, rank, first_step=1)
+    for step in range(1, 4):
+        work = dist.all_reduce(g, async_op=True)  # communication overlapping the matmuls
+        for _ in range(20):
+            a = (a @ a).clamp_(-1, 1)
+        work.wait()
+        torch.cuda.synchronize()
+        prof.step(step)
+    times = gather_step_times(0.5, 0.1 * rank)
+    assert times == pytest.approx([0.4, 0.5])
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_real_cuda_profile(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_cuda_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        s = json.loads((tmp_path / "profile" / f"rank{rank}.summary.json").read_text())
+        print(format_summary(rank, s))
+        assert s["device"] == "cuda" and s["steps"] == 2
+        assert s["compute_ms"] > 0 and s["comm_ms"] > 0 and s["overlap_ms"] > 0
+        assert any("nccl" in t["name"].lower() for t in s["top"])

@@ -64,7 +64,8 @@ def read_flight_recorder(run_dir: Path) -> list[dict[str, Any]]:
     """One summary per dump file: rank, entries, and the last collective per process group (seq id, name, state)."""
     folder = run_dir / FR_DIR
     dumps = []
-    for path in sorted(p for p in folder.glob("*") if p.is_file() and not p.name.startswith(".")) if folder.is_dir() else []:
+    paths = sorted(p for p in folder.glob("*") if p.is_file() and not p.name.startswith(".")) if folder.is_dir() else []
+    for path in paths:
         digits = "".join(ch for ch in path.name if ch.isdigit())
         summary: dict[str, Any] = {"file": str(path.relative_to(run_dir)), "rank": int(digits) if digits else None}
         try:
@@ -114,6 +115,8 @@ class _AsError(RuntimeError):
     """An exception line read back from a report, to reuse is_comm_timeout on it."""
 
 
+# Events that are findings (others, like "model_state", are information and only listed).
+_ANOMALIES = {"nan", "loss_spike", "grad_explosion", "straggler", "hang", "crash", "oom"}
 # What a rank raises when another rank died or hung: gloo and NCCL words for a lost peer.
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "communicator was aborted",
               "distnetworkerror", "remote process exited", "socket closed")
@@ -135,6 +138,15 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
     progress = read_progress(run_dir)
     events = read_events(run_dir)
     errors = read_errors(run_dir)
+    # A resumed run writes into the same folder (and appends to the same JSONL): keep the latest attempt's records
+    # (ranks of an older, larger world may have left theirs) and the reports written since it started.
+    if progress and progress[0].get("attempt") is not None:
+        latest = max(progress, key=lambda r: r["time"])["attempt"]
+        progress = [r for r in progress if r.get("attempt") == latest]
+    started = min((r["started"] for r in progress if r.get("started")), default=None)
+    if started is not None:
+        events = [e for e in events if not e.get("time") or e["time"] >= started]
+        errors = [e for e in errors if not e.get("time") or e["time"] >= started]
     result: dict[str, Any] = {"run_dir": str(run_dir), "verdict": "ok", "message": "no failure found", "step": None,
                               "rank": None, "progress": progress, "events": events,
                               "errors": [{k: v for k, v in e.items() if k != "traceback"} for e in errors],
@@ -164,7 +176,7 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
     finished = bool(progress) and all(r["phase"] == "done" for r in progress)
     if finished:
         step = max(r["step"] for r in progress)
-        noted = sorted({e["event"] for e in events})
+        noted = sorted({e["event"] for e in events} & _ANOMALIES)
         return verdict("ok", f"no failure found: the run finished at step {step}"
                              + (f" (events: {', '.join(noted)})" if noted else ""), step)
     for kind in ("oom", "nan"):
@@ -181,11 +193,15 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
         front = max(progress, key=lambda r: (r["step"], PHASES.get(r["phase"], 1)))
         step = front["step"]
         late = missing_ranks(progress, step)
-        if late:
+        timed_out = bool(errors) or any("last" in d for d in result["flight_recorder"])
+        if late and timed_out:  # a rank timed out (or the NCCL watchdog dumped) waiting for the late ones
             return verdict("hang", explain_hang(progress, step, ages=False), step, late[0])
-        if errors:  # only timeouts were recorded
+        if timed_out:
             return verdict("hang", f"ranks timed out in a collective at step {step}; "
                                    + explain_hang(progress, step, ages=False), step)
+        if late:  # ranks apart but nobody timed out: killed from outside while they were, or a hang nobody timed
+            return verdict("stopped", f"the run stopped at step {step} with no failure recorded (killed from outside?); "
+                                      f"at that time {explain_hang(progress, step, ages=False)}", step, late[0])
         return verdict("stopped", f"every rank stopped at step {step} ({front['phase']!r}) with no failure recorded: "
                                   f"killed from outside, or a hang inside the step (see the Flight Recorder dumps)",
                        step)

@@ -59,7 +59,10 @@ def parse_faults(spec: str) -> list[Fault]:
             if second is None:
                 what = "MS" if kind == "slow" else "STEP"
                 raise UserError(f"--inject-fault {part!r}: expected {kind}@RANK:{what}")
-            fault = Fault(kind, rank=first, ms=int(second)) if kind == "slow" else Fault(kind, step=int(second), rank=first)
+            if kind == "slow":
+                fault = Fault(kind, rank=first, ms=int(second))
+            else:
+                fault = Fault(kind, step=int(second), rank=first)
         if fault.step is not None and fault.step < 1:
             raise UserError(f"--inject-fault {part!r}: steps count from 1")
         faults.append(fault)

@@ -6,8 +6,9 @@ The summary splits the profiled span of each rank into compute, communication, t
 
 as interval unions over the trace's events (so nested or concurrent events are not counted twice). On GPUs the events
 are the device's kernels and copies (compute and NCCL kernels run on different streams, so they can overlap; idle is
-the GPU waiting: launch gaps, host stalls, the pipeline bubble). On CPU runs they are the CPU operators; an operator
-that encloses a collective counts as communication for that span, since the thread waits there.
+the GPU waiting: launch gaps, host stalls, the pipeline bubble). On CPU runs they are the CPU operators plus the
+collectives' record_functions (gloo's worker threads, FSDP's all-gathers); an operator that encloses a collective
+counts as communication for that span, since the thread waits there.
 
 Traces go to RUN_DIR/profile/rank{R}.json (chrome://tracing, Perfetto) with the summary next to it.
 """
@@ -144,8 +145,11 @@ def summarize_events(trace_events: list[dict[str, Any]]) -> dict[str, Any]:
         busy_events = device
     else:
         ops = [e for e in spans if e.get("cat") == "cpu_op"]
+        # gloo's worker threads and FSDP mark their collectives with record_functions ("gloo:all_gather",
+        # "FSDP::all_gather"): that is where a rank waits for the others, so it counts as communication.
+        waits = [e for e in spans if e.get("cat") == "user_annotation" and COMM.search(e["name"])]
         by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
-        for e in ops:
+        for e in ops + waits:
             by_thread[(e.get("pid"), e.get("tid"))].append(e)
         comm, compute = [], []
         for evs in by_thread.values():
@@ -154,7 +158,7 @@ def summarize_events(trace_events: list[dict[str, Any]]) -> dict[str, Any]:
             compute += subtract(((e["ts"], e["ts"] + e["dur"]) for e in evs if not COMM.search(e["name"])), c)
         comm, compute = union(comm), union(compute)
         top = _top(ops, _self_times(ops))
-        busy_events = ops
+        busy_events = ops + waits
     window = [(min(s for s, _ in marks), max(e for _, e in marks))] if marks else (
         [(min(e["ts"] for e in busy_events), max(e["ts"] + e["dur"] for e in busy_events))] if busy_events else [])
     compute, comm = intersect(compute, window), intersect(comm, window)
@@ -179,10 +183,12 @@ def format_summary(rank: int, s: dict[str, Any]) -> str:
     def part(name: str, key: str) -> str:
         return f"{name} {s[key]:,.1f} ms ({s[key] / span * 100:.0f}%)"
 
-    lines = [f"profile rank {rank} ({s['device']}, {s['span_ms']:,.1f} ms{per_step}): " + " | ".join(
-        [part("compute", "compute_ms"), part("comm", "comm_ms"), part("overlap", "overlap_ms"), part("idle", "idle_ms")])]
+    parts = [part("compute", "compute_ms"), part("comm", "comm_ms"), part("overlap", "overlap_ms"),
+             part("idle", "idle_ms")]
+    lines = [f"profile rank {rank} ({s['device']}, {s['span_ms']:,.1f} ms{per_step}): " + " | ".join(parts)]
     what = "kernels" if s["device"] == "cuda" else "ops (self time)"
-    lines.append(f"  top {what}: " + "; ".join(f"{t['name']} {t['total_ms']:,.2f} ms x{t['count']}" for t in s["top"][:5]))
+    top = "; ".join(f"{t['name']} {t['total_ms']:,.2f} ms x{t['count']}" for t in s["top"][:5])
+    lines.append(f"  top {what}: {top}")
     return "\n".join(lines)
 
 

@@ -40,8 +40,14 @@ class ProgressRecorder:
         self.run_dir = Path(run_dir) if run_dir else None
         self.rank, self.host, self.store = rank, host or socket.gethostname(), store
         self.last: dict[str, Any] | None = None
+        self.started = time.time()  # this attempt's start: diagnose ignores reports older than it (a resumed run)
+        # The launcher's job id (+ restart), the same on every rank of one attempt: tells attempts apart in a folder.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        self.attempt = f"{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}" if run_id else None
         if self.run_dir:
             (self.run_dir / "progress").mkdir(parents=True, exist_ok=True)
+            for stale in (self.run_dir / "errors" / f"rank{rank}.txt", self.run_dir / FR_DIR / f"rank{rank}"):
+                stale.unlink(missing_ok=True)  # a previous attempt's, in the same folder
 
     @classmethod
     def from_env(cls, run_dir: str | Path | None) -> ProgressRecorder:
@@ -52,7 +58,8 @@ class ProgressRecorder:
 
     def mark(self, step: int, phase: str) -> None:
         """Record that this rank reached `phase` of `step` (a store round trip and a small file write)."""
-        self.last = {"rank": self.rank, "host": self.host, "step": step, "phase": phase, "time": time.time()}
+        self.last = {"rank": self.rank, "host": self.host, "step": step, "phase": phase, "time": time.time(),
+                     "started": self.started, "attempt": self.attempt}
         text = json.dumps(self.last)
         if self.store is not None:
             self.store.set(KEY.format(rank=self.rank), text)
@@ -63,10 +70,17 @@ class ProgressRecorder:
         """Every rank's record: from the store when there is one (live), else from the files."""
         return read_progress(self.store if self.store is not None else self.run_dir, world)
 
+    def current_step(self) -> int | None:
+        """The step this rank is in: the last marked one, or the next after an 'after_step' or 'start' mark (a
+        failure between two marks, e.g. in FaultInjector.before_step, belongs to the step about to start)."""
+        if self.last is None:
+            return None
+        return self.last["step"] + (self.last["phase"] in ("after_step", "start"))
+
     def record_failure(self, exc: BaseException, step: int | None = None) -> bool:
         """Write RUN_DIR/errors/rank{R}.txt and return True when this is the first failure of the job (the rank
         that should print the one-line cause; the others fail because it did)."""
-        step = step if step is not None else (self.last or {}).get("step")
+        step = step if step is not None else self.current_step()
         if self.run_dir:
             folder = self.run_dir / "errors"
             folder.mkdir(parents=True, exist_ok=True)
@@ -131,8 +145,8 @@ def explain_hang(records: list[dict[str, Any]], waiting_step: int, world: int | 
     missing = missing_ranks(records, waiting_step, world)
     present = [r for r in (range(world) if world is not None else sorted(by_rank)) if r not in missing]
     if not missing:
-        return (f"every rank reached step {waiting_step}; the collective that hangs is inside the step (a rank stuck in "
-                f"a kernel, or ranks calling different collectives): see the Flight Recorder dumps")
+        return (f"every rank reached step {waiting_step}; the collective that hangs is inside the step (a rank stuck "
+                f"in a kernel, or ranks calling different collectives): see the Flight Recorder dumps")
     parts = []
     for r in missing:
         rec = by_rank.get(r)
@@ -176,13 +190,15 @@ def set_comm_timeout(seconds: float) -> None:
 
 def flight_recorder_env(run_dir: str | Path) -> dict[str, str]:
     """Environment for the workers: Flight Recorder on (NCCL always; gloo too on recent PyTorch), dumped on timeout
-    into RUN_DIR/flight_recorder/rank{R}. The launcher applies it with os.environ.setdefault."""
-    prefix = str(Path(run_dir).resolve() / FR_DIR / "rank")
-    return {
-        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-    }
+    into RUN_DIR/flight_recorder/rank{R}. Creates that folder (NCCL's writer does not: it logs "Error opening file"
+    and dumps nothing). The launcher applies the result with os.environ.setdefault."""
+    folder = Path(run_dir).resolve() / FR_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    # The TORCH_FR_* names (PyTorch >= 2.7); the older TORCH_NCCL_TRACE_* aliases now print deprecation warnings.
+    # After a timeout NCCL's watchdog waits for the dumps before it takes the process down: 60 s by default, which
+    # would make a --comm-timeout 20 job end after 80 s; 10 s is plenty for a 2000-entry buffer.
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(folder / "rank"), "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "10000"}
 
 
 def dump_flight_recorder(run_dir: str | Path, rank: int) -> Path | None:
@@ -216,10 +232,10 @@ def report_failure(recorder: ProgressRecorder, exc: BaseException, world: int, *
 
     A collective timeout becomes {"event": "hang", "rank": the rank that did not come}; anything else
     {"event": "crash" | "oom", "rank": this rank}."""
-    step = (recorder.last or {}).get("step")
+    step = recorder.current_step()
     if is_comm_timeout(exc):
         records = recorder.read(world)
-        step = max([step or 0] + [r["step"] for r in records if r["phase"] == "before_step"])
+        step = step or max([0] + [r["step"] for r in records])
         event = hang_event(records, step, world)
         message = comm_timeout_message(exc, step, records, world, timeout_s)
         if recorder.run_dir:
@@ -229,9 +245,11 @@ def report_failure(recorder: ProgressRecorder, exc: BaseException, world: int, *
         kind = "oom" if "out of memory" in first_line.lower() else "crash"
         where = f" at step {step}" if step is not None else ""
         report = f" (traceback: {recorder.run_dir / 'errors' / f'rank{recorder.rank}.txt'})" if recorder.run_dir else ""
-        message = f"rank {recorder.rank} (host {recorder.host}) failed{where}: {type(exc).__name__}: {first_line}{report}"
+        message = (f"rank {recorder.rank} (host {recorder.host}) failed{where}: {type(exc).__name__}: "
+                   f"{first_line}{report}")
         event = {"event": kind, "step": step, "rank": recorder.rank, "host": recorder.host,
                  "detail": f"{type(exc).__name__}: {first_line}"}
+    event["time"] = time.time()
     if not recorder.record_failure(exc, step):
         return None
     if jsonl:

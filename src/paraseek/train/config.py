@@ -55,6 +55,11 @@ class TrainConfig:
     init_from: str = ""  # an HF folder to start from
     export_hf: str = ""  # write an HF folder at the end
     log_every: int = 1
+    run_dir: str = ""  # progress records, crash reports, profiles, Flight Recorder dumps ("" = --metrics-jsonl's folder)
+    on_anomaly: str = "warn"  # warn | skip | stop: what a NaN, loss spike or grad-norm explosion does
+    comm_timeout: float = 0.0  # seconds a collective may take after the first step; 0 = the backend's default
+    inject_fault: str = ""  # nan@STEP | spike@STEP | hang@RANK:STEP | slow@RANK:MS | crash@RANK:STEP, comma-separated
+    profile_steps: str = ""  # A:B = torch.profiler traces of steps A..B per rank
 
     @property
     def world_size(self) -> int:
@@ -75,6 +80,7 @@ _CHOICES = {
     "precision": ("fp32", "bf16", "fp16"),
     "lr_schedule": ("cosine", "linear", "constant"),
     "activation_checkpointing": ("none", "full", "selective"),
+    "on_anomaly": ("warn", "skip", "stop"),
 }
 _HELP = {
     "ep": "expert-parallel degree: routed experts sharded over ep ranks borrowed from --dp-shard",
@@ -149,6 +155,8 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
         cfg.precision = "bf16" if cfg.device == "cuda" else "fp32"
     if cfg.nproc <= 0:
         cfg.nproc = gpu_count if cfg.device == "cuda" else 4
+    if not cfg.run_dir:
+        cfg.run_dir = str(Path(cfg.metrics_jsonl).parent) if cfg.metrics_jsonl else "runs/last"
     if cfg.dp_shard == -1 and cfg.dp_replicate > 0 and cfg.world_size % cfg.dp_replicate == 0:
         cfg.dp_shard = cfg.world_size // cfg.dp_replicate
     return cfg
@@ -196,6 +204,12 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
         raise UserError(f"--data {cfg.data}: no such file or folder")
     if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
         raise UserError(f"--init-from {cfg.init_from}: not an HF folder (no config.json)")
+    from paraseek.monitor.faults import check_faults, parse_faults
+    from paraseek.monitor.profile import parse_profile_steps
+
+    check_faults(parse_faults(cfg.inject_fault), cfg.world_size, cfg.steps)
+    if cfg.profile_steps:
+        parse_profile_steps(cfg.profile_steps)
     if cfg.tokenizer and not Path(cfg.tokenizer).exists():
         raise UserError(f"--tokenizer {cfg.tokenizer}: no such file")
 

@@ -116,6 +116,10 @@ def launch(cfg: TrainConfig) -> int:
     os.environ[_ENV] = json.dumps(dataclasses.asdict(cfg))
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    from paraseek.monitor.progress import flight_recorder_env
+
+    for key, value in flight_recorder_env(cfg.run_dir).items():  # Flight Recorder on, dumps into RUN_DIR
+        os.environ.setdefault(key, value)
     if cfg.device == "cuda":
         # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -127,6 +131,10 @@ def launch(cfg: TrainConfig) -> int:
         codes = {f.exitcode for f in e.failures.values()}
         if 2 in codes:
             return 2  # a user error, already printed by rank 0
+        from paraseek.monitor.progress import REPORTED
+
+        if failure.exitcode == REPORTED:
+            return 1  # the first failing worker printed the cause in one line
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -28,7 +29,12 @@ from paraseek.hardware.specs import peak_flops
 from paraseek.models import flops_per_token, param_counts, resolve_model
 from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into, save_hf_state
+from paraseek.monitor.faults import FaultInjector
+from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_hosts,
+                                     gather_step_times, log_event, nonfinite_report, step_time_stats)
 from paraseek.monitor.metrics import MetricsLogger
+from paraseek.monitor.profile import StepProfiler, report_all_ranks
+from paraseek.monitor.progress import REPORTED, ProgressRecorder, report_failure, set_comm_timeout
 from paraseek.parallel.apply import DTYPES, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp, build_mesh
 from paraseek.parallel.expert import (
     ExpertLoad, apply_expert_parallel, clip_grad_norm, enable_balance_loss, ep_meshes, load_stats, moe_layers,
@@ -87,12 +93,21 @@ def train(cfg: TrainConfig) -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    recorder = ProgressRecorder.from_env(cfg.run_dir)
     try:
-        rc = _train(cfg, device)
+        rc = _train(cfg, device, recorder)
         dist.barrier()  # no rank tears its process group down while another still talks to it
-        return rc
-    finally:
+    except UserError:
         dist.destroy_process_group()
+        raise
+    except Exception as e:  # one line from the first failing rank; the traceback goes to RUN_DIR/errors/
+        message = report_failure(recorder, e, dist.get_world_size(), timeout_s=cfg.comm_timeout or None,
+                                 jsonl=cfg.metrics_jsonl or None)
+        if message:
+            print(f"paraseek: {message}", file=sys.stderr, flush=True)
+        return REPORTED  # no destroy_process_group: the peers are gone or stuck
+    dist.destroy_process_group()
+    return rc
 
 
 def _peak_memory_gib(device: torch.device) -> float:
@@ -101,7 +116,7 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (process RSS peak)
 
 
-def _train(cfg: TrainConfig, device: torch.device) -> int:
+def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
     mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard)
@@ -189,6 +204,10 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
               f"{f' | ep={cfg.ep}' if cfg.ep > 1 else ''}"
               f"{' | compile' if cfg.compile else ''}", flush=True)
 
+    faults = FaultInjector(cfg.inject_fault, rank)
+    health, stragglers, hosts = HealthMonitor(), StragglerDetector(world), gather_hosts()
+    profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, rank, first_step=start_step + 1) if cfg.profile_steps else None
+    recorder.mark(start_step, "start")
     step_times: list[float] = []
     losses: list[float] = []
     metrics: dict = {}
@@ -199,6 +218,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = loader.next_step()
+        faults.before_step(step)  # before the mark: a rank that hangs here still reads as "finished step - 1"
+        recorder.mark(step, "before_step")
+        ready_s = time.perf_counter() - t0
         loss_sum = torch.zeros((), device=device)
         for i, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -206,7 +228,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             with (model.no_sync() if use_ddp and not last else nullcontext()), autocast:
                 logits = model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-                loss = loss / tokens_per_rank_step
+                loss = faults.loss_hook(step, loss / tokens_per_rank_step)
             (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
             if expert_load is not None:
@@ -215,29 +237,47 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(params, cfg.grad_clip)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        dist.all_reduce(loss_sum)  # before the update now: --on-anomaly skip must know the loss first
+        loss_value = loss_sum.item() / cfg.dp_size
+        norm = grad_norm.item()
+        # fp16: an inf grad norm is the scaler's business (it skips the step and lowers the scale), not an anomaly
+        events = health.observe(step, loss_value, None if scaler and not math.isfinite(norm) else norm)
+        action = anomaly_action(events, cfg.on_anomaly)
+        for e in events:
+            if e["event"] == "nan":
+                e["detail"] += f"; {nonfinite_report(model, all_ranks=True) or 'gradients finite'}"
+            if is_main:
+                log_event(logger, e)
+                if action != "stop":  # a stop prints its one line below
+                    print(format_event(e, action), file=sys.stderr, flush=True)
+        if action == "stop":
+            raise UserError(f"{events[0]['event']} at step {step}: {events[0]['detail']} (--on-anomaly {cfg.on_anomaly})")
+        if action != "skip":
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
         moe_metrics = {}
         if expert_load is not None:
             load_YE = expert_load.reduce()
             moe_metrics = load_stats(load_YE)
-            if gamma > 0:
+            if gamma > 0 and action != "skip":
                 update_routing_bias(inner, gamma, load_YE=load_YE)
         if step == start_step + 1:  # where each rank's model state lives, once (the planner's prediction target)
             layout = model_state_bytes_per_rank(params, optimizer)
             if is_main:
                 logger.event("model_state", step, detail="bytes per rank", **layout)
         optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / cfg.dp_size
-        if not math.isfinite(loss_value):
-            if is_main:
-                logger.event("nan", step, detail=f"loss is {loss_value}")
-            raise UserError(f"the loss became {loss_value} at step {step}; lower --lr or check the data")
         dt = time.perf_counter() - t0
+        rank_times = gather_step_times(dt, ready_s)  # every rank's time, the wait for the slowest taken out
+        recorder.mark(step, "after_step")  # after the step's last collective
+        if step == start_step + 1 and cfg.comm_timeout:
+            set_comm_timeout(cfg.comm_timeout)  # after warm-up: the first step may compile and allocate
+        straggler = stragglers.observe(step, rank_times, hosts)
+        if straggler and is_main:
+            log_event(logger, straggler)
+            print(format_event(straggler), file=sys.stderr, flush=True)
         step_times.append(dt)
         losses.append(loss_value)
         tps = tokens_per_step / dt
@@ -245,12 +285,16 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             "step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
             "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
             "mfu": flops_tok * tps / world / peak if peak else None,
-            "mem_peak_gib": _peak_memory_gib(device), "step_time_s": dt,
+            "mem_peak_gib": _peak_memory_gib(device), "step_time_s": dt, **step_time_stats(rank_times),
         }
         if scaler:
             metrics["loss_scale"] = scaler.get_scale()
         metrics.update(moe_metrics)
         logger.step(metrics)
+        if profiler and (summary := profiler.step(step)) is not None:
+            text = report_all_ranks(summary)  # a collective: every rank stops the profiler at the same step
+            if text:
+                print(text, flush=True)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
             path = save_checkpoint(cfg.checkpoint_dir, step, inner, optimizer,
                                    {"data": loader.state_dict(), "config": dataclasses.asdict(cfg)})
@@ -264,6 +308,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
             print(f"exported an HF folder to {Path(cfg.export_hf).resolve()}", flush=True)
         dist.barrier()
     logger.close()
+    recorder.mark(cfg.steps, "done")
     if is_main and losses:
         steady = step_times[1:] or step_times
         median = statistics.median(steady)
