@@ -209,7 +209,7 @@ def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
     results = {}
     saved: dict[str, torch.Tensor] | None = None
     for i, (dp_replicate, dp_shard, ep) in enumerate(FSDP_LAYOUTS):
-        mesh = build_mesh("cpu", dp_replicate, dp_shard)
+        mesh = build_mesh("cpu", dp_replicate, dp_shard, ep)
         meshes = ep_meshes(mesh, ep)
         model = _meta_model()
         apply_expert_parallel(model, meshes["ep"])

@@ -16,10 +16,17 @@ from paraseek.models.deepseek import Transformer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+def build_mesh(device_type: str, dp_replicate: int, dp_shard: int, ep: int = 1) -> DeviceMesh:
     """One named mesh. dp_replicate is the outer (slow-link) dimension, dp_shard the inner one, so a node's ranks
-    share a shard group and HSDP reduce-scatters inside the node and all-reduces across nodes."""
-    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    share a shard group and HSDP reduce-scatters inside the node and all-reduces across nodes. With expert
+    parallelism dp_shard is built as (dp_shard_mod_ep, ep) -- EP groups are `ep` consecutive ranks -- and flattened
+    back into "dp_shard" for FSDP2 (DeviceMesh._flatten: in torch 2.11 and 2.13 alike)."""
+    if ep == 1:
+        return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = init_device_mesh(device_type, (dp_replicate, dp_shard // ep, ep),
+                            mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep"))
+    mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    return mesh
 
 
 # Ops whose outputs selective checkpointing keeps: the matmuls and attention (costly to recompute); everything

@@ -142,18 +142,16 @@ def apply_expert_fsdp(model: nn.Module, expert_dp_mesh: DeviceMesh, dp_size: int
 
 
 def ep_meshes(mesh: DeviceMesh, ep: int) -> dict[str, DeviceMesh]:
-    """The EP meshes, carved out of the engine's ("dp_replicate", "dp_shard") mesh (`apply.build_mesh`) without new
-    ranks: dp_shard is unflattened into (dp_shard_mod_ep, ep), the EP groups being `ep` consecutive ranks (inside a
-    node / NVLink island). "ep": the 1-D EP mesh for `apply_expert_parallel`; "expert_dp": the dp ranks outside
-    the EP group, (dp_replicate, dp_shard_mod_ep) or dp_shard_mod_ep (possibly of size 1), for `apply_expert_fsdp`.
-    Everything else keeps FSDP2 over the whole dp mesh, as without EP."""
-    dp_replicate, dp_shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
-    if dp_shard % ep:
-        raise UserError(f"--ep {ep} must divide --dp-shard {dp_shard} (EP borrows data-parallel ranks)")
-    split = mesh._unflatten("dp_shard", (dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+    """The EP meshes of a mesh built by `apply.build_mesh(..., ep=ep)` (dims dp_replicate, dp_shard_mod_ep, ep,
+    with dp_shard flattened from the last two): "ep", the 1-D EP mesh for `apply_expert_parallel`, and
+    "expert_dp", the dp ranks outside the EP group, (dp_replicate, dp_shard_mod_ep) or dp_shard_mod_ep (possibly
+    of size 1), for `apply_expert_fsdp`. Everything else keeps FSDP2 over the whole dp mesh, as without EP."""
+    if "ep" not in (mesh.mesh_dim_names or ()):
+        raise ValueError("build the mesh with apply.build_mesh(..., ep=ep) to carve expert-parallel groups")
+    dp_replicate = mesh["dp_replicate"].size()
     return {
-        "ep": split["ep"],
-        "expert_dp": split["dp_replicate", "dp_shard_mod_ep"] if dp_replicate > 1 else split["dp_shard_mod_ep"],
+        "ep": mesh["ep"],
+        "expert_dp": mesh["dp_replicate", "dp_shard_mod_ep"] if dp_replicate > 1 else mesh["dp_shard_mod_ep"],
     }
 
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -99,24 +99,29 @@ class _ReplicateKeepPartialGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        if not isinstance(grad, DTensor):  # the layer's output was not used as a DTensor: nothing is partial
-            return grad, None
-        local = grad.to_local()
-        # Partial is what a column-parallel matmul's backward gives. A replicated gradient (torch.compile traces
-        # the backward first with the output's own placements) is the whole sum on every rank: 1/tp of it each.
-        if not grad.placements[0].is_partial():
-            local = local / grad.device_mesh.size()
-        return local, None
+        # A column-parallel matmul's input gradient is Partial: its local tensor is this rank's summand. No branch
+        # on the placements: torch.compile traces this backward once with the forward output's (Replicate) ones.
+        return (grad.to_local() if isinstance(grad, DTensor) else grad), None
 
 
-def _keep_partial_grad_input(mesh: DeviceMesh):
-    def hook(module: nn.Module, args: tuple) -> tuple:
+def _colwise_keep_partial_grad(linear: nn.Linear, mesh: DeviceMesh) -> None:
+    """ColwiseParallel's sharding (weight and bias Shard(0), local output Shard(-1)) but an input whose gradient
+    stays this rank's partial summand (_ReplicateKeepPartialGrad) instead of ColwiseParallel's all-reduce. Written
+    with distribute_module rather than an extra hook in front of ColwiseParallel's: torch 2.11's dynamo fails to
+    build guards for prepended hooks."""
+
+    def partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+    def input_fn(module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
         x, *rest = args
-        if not isinstance(x, DTensor):
-            x = _ReplicateKeepPartialGrad.apply(x, mesh)
-        return (x, *rest)
+        return (x if isinstance(x, DTensor) else _ReplicateKeepPartialGrad.apply(x, mesh), *rest)
 
-    return hook
+    def output_fn(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return out.to_local()
+
+    distribute_module(linear, mesh, partition, input_fn, output_fn)
 
 
 def _gather_attention_input(mesh: DeviceMesh, layout):
@@ -148,12 +153,10 @@ def _parallelize_attention(attn: Attention, mesh: DeviceMesh, seq: object) -> No
 
 
 def _parallelize_mla(attn: MLA, mesh: DeviceMesh, seq: object) -> None:
-    up = ["q_b_proj" if attn.q_lora_rank else "q_proj", "kv_b_proj"]
-    parallelize_module(attn, mesh, {**{name: ColwiseParallel() for name in up}, "o_proj": RowwiseParallel(output_layouts=seq)})
+    parallelize_module(attn, mesh, {"o_proj": RowwiseParallel(output_layouts=seq)})
     attn.register_forward_pre_hook(_gather_attention_input(mesh, seq))
-    for name in up:
-        # Before ColwiseParallel's own input hook, which would all-reduce the input gradient.
-        getattr(attn, name).register_forward_pre_hook(_keep_partial_grad_input(mesh), prepend=True)
+    for name in ("q_b_proj" if attn.q_lora_rank else "q_proj", "kv_b_proj"):
+        _colwise_keep_partial_grad(getattr(attn, name), mesh)
     for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
         if hasattr(attn, name):
             _mark_partial_grad(getattr(attn, name), mesh)
@@ -264,7 +267,7 @@ def reduce_tp_grads(model: nn.Module) -> None:
             continue
         for p in m.parameters(recurse=False):
             if p.grad is not None:
-                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # no_grad: the same storage
                 buckets.setdefault((id(mesh), g.dtype, g.device), [mesh]).append(g)
     for mesh, *grads in buckets.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -318,14 +321,16 @@ def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     return total_sq.sqrt() if total_sq is not None else torch.zeros(())
 
 
+@torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """grad_norm, then scale every gradient by min(1, max_norm / norm) (no-op for max_norm <= 0); returns the norm."""
+    """grad_norm, then scale every gradient by min(1, max_norm / norm) as torch's clip_grad_norm_ does (no-op for
+    max_norm <= 0); returns the norm. The same as paraseek.parallel.expert.clip_grad_norm, which groups by mesh."""
     params = [p for p in params if p.grad is not None]
     total = grad_norm(params)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:
-            local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             local.mul_(coef.to(device=local.device, dtype=local.dtype))
     return total
 
@@ -349,6 +354,6 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "apply_tensor_parallel", "check_tensor_parallel", "reduce_tp_grads", "grad_norm", "clip_grad_norm_",
-    "tp_loss", "loss_context", "local_value",
+    "apply_tensor_parallel", "check_tensor_parallel", "reduce_tp_grads", "init_weights_tp", "grad_norm",
+    "clip_grad_norm_", "tp_loss", "loss_context", "local_value",
 ]

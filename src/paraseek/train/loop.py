@@ -119,7 +119,7 @@ def _peak_memory_gib(device: torch.device) -> float:
 def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
-    mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard)
+    mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard, cfg.ep)
     shard_rank = mesh["dp_shard"].get_local_rank()
     dp_rank = mesh["dp_replicate"].get_local_rank() * cfg.dp_shard + shard_rank
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
