@@ -1,5 +1,6 @@
-"""Loss equivalence of every data-parallel plan with one process (gloo, fp32, same seed checkpoint and data):
-FSDP2 over 4, HSDP 2x2, DDP over 2, FSDP with gradient accumulation, full and selective activation checkpointing.
+"""Loss equivalence of every plan with one process (gloo, fp32, same seed checkpoint and data): FSDP2 over 4,
+HSDP 2x2, DDP over 2, FSDP with gradient accumulation, full and selective activation checkpointing, tensor parallel
+(with and without sequence parallel, and x FSDP2), expert parallel (x FSDP2 and x HSDP).
 Tolerance 1e-4 relative: the same math, only the order of the gradient reductions differs."""
 
 import pytest
@@ -16,6 +17,14 @@ PLANS = {
     "fsdp2-ac-selective": ["--nproc", "2", "--dp-shard", "2", "--micro-batch-size", "2",
                            "--activation-checkpointing", "selective"],
 }
+# Tensor parallelism (with and without sequence parallelism) and its product with FSDP2. The vocab-parallel loss
+# and the tp reductions change summation orders only.
+PLANS.update({
+    "tp2-sp": ["--nproc", "2", "--dp-shard", "1", "--tp", "2", "--micro-batch-size", "2"],
+    "tp2-no-sp": ["--nproc", "2", "--dp-shard", "1", "--tp", "2", "--sequence-parallel", "false",
+                  "--micro-batch-size", "2"],
+    "fsdp2-x-tp2": ["--nproc", "4", "--dp-shard", "2", "--tp", "2", "--micro-batch-size", "2"],
+})
 # Expert parallelism (tiny-moe only): routed experts sharded over ep ranks of dp_shard, all-to-all dispatch.
 EP_PLANS = {
     "fsdp2-ep2": ["--nproc", "2", "--dp-shard", "2", "--ep", "2", "--micro-batch-size", "2"],

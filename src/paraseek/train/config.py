@@ -25,6 +25,8 @@ class TrainConfig:
     hardware: str = ""  # a `paraseek doctor --save` profile for --plan auto (default: this machine's datasheet)
     dp_replicate: int = 1  # replicas (DDP alone; with dp_shard > 1: HSDP's all-reduce dimension, across nodes)
     dp_shard: int = -1  # FSDP2 sharding degree; -1 = whatever the world size leaves
+    tp: int = 1  # tensor parallel (innermost mesh dim: keep it inside a node's NVLink island)
+    sequence_parallel: bool = True  # with tp: norms and residuals sharded over the sequence
     ep: int = 1  # expert parallel: routed experts sharded over ep consecutive ranks of dp_shard (all-to-all dispatch)
     moe_bias_gamma: float = -1.0  # V3's aux-loss-free balancing rate; -1 = 0.001 for noaux_tc models, else off
     moe_aux_loss_alpha: float = -1.0  # balance loss weight; -1 = the model's (V2: aux_loss_alpha; V3: off), 0 = off
@@ -66,7 +68,7 @@ class TrainConfig:
         return self.nproc * self.nnodes
 
     @property
-    def dp_size(self) -> int:
+    def dp_size(self) -> int:  # data-parallel ranks (tp ranks of one dp rank share its batch)
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -83,6 +85,8 @@ _CHOICES = {
     "on_anomaly": ("warn", "skip", "stop"),
 }
 _HELP = {
+    "tp": "tensor-parallel degree (attention heads, MLP width, vocabulary); innermost, inside a node",
+    "sequence_parallel": "with --tp: shard norms/residual activations over the sequence (default true)",
     "ep": "expert-parallel degree: routed experts sharded over ep ranks borrowed from --dp-shard",
     "moe_bias_gamma": "DeepSeek-V3 balancing: bias += gamma * sign(mean load - load) after each step "
                       "(-1: 0.001 for noaux_tc models)",
@@ -157,8 +161,8 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
         cfg.nproc = gpu_count if cfg.device == "cuda" else 4
     if not cfg.run_dir:
         cfg.run_dir = str(Path(cfg.metrics_jsonl).parent) if cfg.metrics_jsonl else "runs/last"
-    if cfg.dp_shard == -1 and cfg.dp_replicate > 0 and cfg.world_size % cfg.dp_replicate == 0:
-        cfg.dp_shard = cfg.world_size // cfg.dp_replicate
+    if cfg.dp_shard == -1 and cfg.dp_replicate > 0 and cfg.tp > 0 and cfg.world_size % (cfg.dp_replicate * cfg.tp) == 0:
+        cfg.dp_shard = cfg.world_size // (cfg.dp_replicate * cfg.tp)
     return cfg
 
 
@@ -171,11 +175,20 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
     for name in ("nproc", "nnodes", "steps", "seq_len", "global_batch_size", "micro_batch_size", "dp_replicate", "dp_shard"):
         if getattr(cfg, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if cfg.dp_replicate * cfg.dp_shard != cfg.world_size:
+    if cfg.tp <= 0:
+        raise UserError(f"--tp must be positive, got {cfg.tp}")
+    if cfg.dp_replicate * cfg.dp_shard * cfg.tp != cfg.world_size:
         raise UserError(
-            f"--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard} = {cfg.dp_replicate * cfg.dp_shard}, "
-            f"but the world size is {cfg.world_size} ({cfg.nnodes} node(s) x {cfg.nproc} processes)"
+            f"--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard} x --tp {cfg.tp} = "
+            f"{cfg.dp_replicate * cfg.dp_shard * cfg.tp}, but the world size is {cfg.world_size} "
+            f"({cfg.nnodes} node(s) x {cfg.nproc} processes)"
         )
+    if cfg.tp > 1 and cfg.dp_shard == 1 and cfg.dp_replicate > 1:
+        raise UserError("--tp composes with FSDP2 (--dp-shard), not with DDP; use --dp-shard instead of --dp-replicate")
+    if cfg.tp > 1 and cfg.ep > 1:
+        raise UserError("--tp together with --ep is not supported yet; use one of them")
+    if cfg.tp > 1 and cfg.cpu_offload:
+        raise UserError("--tp with --cpu-offload is not supported yet")
     per_step = cfg.micro_batch_size * cfg.dp_size
     if cfg.global_batch_size % per_step:
         raise UserError(

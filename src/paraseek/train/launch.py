@@ -86,6 +86,10 @@ def _check_model_and_data(cfg: TrainConfig) -> None:
     from paraseek.train.data import open_dataset
 
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    if cfg.tp > 1:
+        from paraseek.parallel.tensor import check_tensor_parallel
+
+        check_tensor_parallel(args, cfg.tp)
     if cfg.ep > 1 and (not args.n_routed_experts or args.n_routed_experts % cfg.ep):
         raise UserError(f"--ep {cfg.ep}: the model has {args.n_routed_experts} routed experts; ep must divide them")
     if cfg.data != "synthetic":

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from paraseek.errors import UserError
@@ -36,6 +35,9 @@ from paraseek.monitor.metrics import MetricsLogger
 from paraseek.monitor.profile import StepProfiler, report_all_ranks
 from paraseek.monitor.progress import REPORTED, ProgressRecorder, report_failure, set_comm_timeout
 from paraseek.parallel.apply import DTYPES, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp, build_mesh
+from paraseek.parallel.tensor import (
+    apply_tensor_parallel, init_weights_tp, local_value, loss_context, reduce_tp_grads, tp_loss,
+)
 from paraseek.parallel.expert import (
     ExpertLoad, apply_expert_parallel, clip_grad_norm, enable_balance_loss, ep_meshes, load_stats, moe_layers,
     update_routing_bias,
@@ -119,7 +121,7 @@ def _peak_memory_gib(device: torch.device) -> float:
 def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
-    mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard, cfg.ep)
+    mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard, cfg.ep, cfg.tp)
     shard_rank = mesh["dp_shard"].get_local_rank()
     dp_rank = mesh["dp_replicate"].get_local_rank() * cfg.dp_shard + shard_rank
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
@@ -133,6 +135,8 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     # meta -> parallelize -> materialize -> init or load (no rank ever holds the whole model)
     with torch.device("meta"):
         model = Transformer(args)
+    if cfg.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel)
     meshes = ep_meshes(mesh, cfg.ep) if cfg.ep > 1 else {}
     if meshes:
         apply_expert_parallel(model, meshes["ep"])
@@ -147,8 +151,11 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
         model.init_buffers(device)
     else:
         # Shards differ, replicas agree: seed by the shard coordinate.
-        torch.manual_seed(cfg.seed + shard_rank)
-        model.init_weights(device=device)
+        if cfg.tp > 1:  # tp shards drawn apart, tp-replicated weights equal (see init_weights_tp)
+            init_weights_tp(model, mesh["tp"], cfg.seed + shard_rank, device)
+        else:
+            torch.manual_seed(cfg.seed + shard_rank)
+            model.init_weights(device=device)
     torch.manual_seed(cfg.seed)
     inner = model
     if use_ddp:
@@ -202,6 +209,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
               f"{cfg.precision} | global batch {cfg.global_batch_size} x {cfg.seq_len} tokens "
               f"(micro {cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}) | AC {cfg.activation_checkpointing}"
               f"{f' | ep={cfg.ep}' if cfg.ep > 1 else ''}"
+              f"{f' | tp={cfg.tp}' + (' +SP' if cfg.sequence_parallel else '') if cfg.tp > 1 else ''}"
               f"{' | compile' if cfg.compile else ''}", flush=True)
 
     faults = FaultInjector(cfg.inject_fault, rank)
@@ -225,20 +233,22 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
         for i, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             last = i == len(micro_batches) - 1
-            with (model.no_sync() if use_ddp and not last else nullcontext()), autocast:
+            # Under TP the logits stay vocab-sharded: loss_parallel computes the cross-entropy without gathering them.
+            with (model.no_sync() if use_ddp and not last else nullcontext()), autocast, loss_context(cfg.tp > 1):
                 logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-                loss = faults.loss_hook(step, loss / tokens_per_rank_step)
-            (scaler.scale(loss) if scaler else loss).backward()
-            loss_sum += loss.detach()
+                loss = faults.loss_hook(step, tp_loss(logits, labels) / tokens_per_rank_step)
+                (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += local_value(loss).detach()
             if expert_load is not None:
                 expert_load.observe()
             del logits, loss
+        if cfg.tp > 1:
+            reduce_tp_grads(model)  # the tp-replicated weights (router, experts, MLA's latent path) got partial grads
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(params, cfg.grad_clip)
         dist.all_reduce(loss_sum)  # before the update now: --on-anomaly skip must know the loss first
-        loss_value = loss_sum.item() / cfg.dp_size
+        loss_value = loss_sum.item() / world  # every tp rank of a dp rank holds the same loss
         norm = grad_norm.item()
         # fp16: an inf grad norm is the scaler's business (it skips the step and lowers the scale), not an anomaly
         events = health.observe(step, loss_value, None if scaler and not math.isfinite(norm) else norm)
