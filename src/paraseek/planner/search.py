@@ -175,9 +175,9 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int,
     return best, miss, n
 
 
-# The dimensions `paraseek train` runs today. Tensor, pipeline and expert parallelism are modelled here already;
-# plans that use them are predictions only until the engine has them (the model-parallelism issue).
-ENGINE_DIMS = frozenset({"dp_replicate", "dp_shard"})
+# The dimensions `paraseek train` runs today (tp and ep not together yet). Pipeline parallelism is modelled here
+# already; plans that use it are predictions only until the engine has it (the model-parallelism issue).
+ENGINE_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "ep"})
 
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
@@ -222,6 +222,8 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
                     unrunnable = [d for d, n in (("tp", tp), ("pp", pp), ("ep", ep)) if n > 1 and d not in ENGINE_DIMS]
+                    if tp > 1 and ep > 1:
+                        unrunnable.append("tp x ep")
                     if engine_only and unrunnable:
                         reject(f"{'/'.join(unrunnable)} not in paraseek train yet (see all plans with --all-dims)",
                                **_mesh(base))
