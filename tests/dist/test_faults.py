@@ -73,3 +73,14 @@ def test_profile(tmp_path):
     assert "profile rank 0 (cpu" in r.stdout and "profile rank 1 (cpu" in r.stdout
     for rank in (0, 1):
         assert (tmp_path / "run" / "profile" / f"rank{rank}.json").is_file()
+
+
+def test_oom_reports_once_with_the_planners_fix(tmp_path):
+    """An out-of-memory error (injected: the same exception type CUDA raises) names the rank and step once, and the
+    planner's breakdown of this plan with the fastest change that fits follows."""
+    r = run_train(*TINY, "--steps", "4", "--inject-fault", "oom@0:2", cwd=tmp_path, check=False)
+    assert r.returncode != 0
+    assert r.stderr.count("out of memory") == 1 and "rank 0" in r.stderr and "at step 2" in r.stderr
+    assert "GiB/GPU for this plan" in r.stderr and "cheapest fix:" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert any(e.get("event") == "oom" and e["step"] == 2 and e["rank"] == 0 for e in _events(tmp_path))

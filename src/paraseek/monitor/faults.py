@@ -5,6 +5,7 @@
     hang@RANK:STEP    RANK stops before the first collective of STEP and never comes back
     slow@RANK:MS      RANK sleeps MS milliseconds before every step (a straggler)
     crash@RANK:STEP   RANK raises RuntimeError("injected crash ...") before STEP
+    oom@RANK:STEP     RANK raises torch.OutOfMemoryError before STEP (the OOM report and advice, on any device)
 
 Several faults are separated by commas: `--inject-fault slow@1:400,nan@20`.
 """
@@ -21,15 +22,15 @@ import torch
 from paraseek.errors import UserError
 
 SPIKE_FACTOR = 1e3  # large enough that a robust z-score over any sane loss history flags it
-FORMS = "nan@STEP, spike@STEP, hang@RANK:STEP, slow@RANK:MS or crash@RANK:STEP"
+FORMS = "nan@STEP, spike@STEP, hang@RANK:STEP, slow@RANK:MS, crash@RANK:STEP or oom@RANK:STEP"
 _STEP_ONLY = ("nan", "spike")
-_RANK_AND = ("hang", "slow", "crash")
+_RANK_AND = ("hang", "slow", "crash", "oom")
 _SPEC = re.compile(r"^([a-z]+)@(\d+)(?::(\d+))?$")
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | spike | hang | slow | crash
+    kind: str  # nan | spike | hang | slow | crash | oom
     step: int | None = None  # the step it fires at (nan, spike, hang, crash)
     rank: int | None = None  # the rank it fires on (hang, slow, crash); None = every rank
     ms: int = 0  # slow: the delay per step
@@ -112,6 +113,9 @@ class FaultInjector:
                 self._sleep(f.ms / 1e3)
             elif f.kind == "crash" and f.step == step:
                 raise RuntimeError(f"injected crash on rank {self.rank} at step {step} (--inject-fault {f})")
+            elif f.kind == "oom" and f.step == step:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {self.rank} at step {step}, "
+                                             f"--inject-fault {f})")
             elif f.kind == "hang" and f.step == step:
                 while True:  # until the job's comm timeout ends it
                     self._sleep(3600.0)

@@ -32,6 +32,7 @@ from paraseek.monitor.faults import FaultInjector
 from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_hosts,
                                      gather_step_times, log_event, nonfinite_report, step_time_stats)
 from paraseek.monitor.metrics import MetricsLogger
+from paraseek.monitor.oom import cheapest_fix, write_snapshot
 from paraseek.monitor.profile import StepProfiler, report_all_ranks
 from paraseek.monitor.progress import REPORTED, ProgressRecorder, report_failure, set_comm_timeout
 from paraseek.parallel.apply import DTYPES, apply_activation_checkpointing, apply_compile, apply_ddp, apply_fsdp, build_mesh
@@ -103,10 +104,19 @@ def train(cfg: TrainConfig) -> int:
         dist.destroy_process_group()
         raise
     except Exception as e:  # one line from the first failing rank; the traceback goes to RUN_DIR/errors/
+        oom = isinstance(e, torch.OutOfMemoryError)
+        if oom:  # the evidence first, while the allocator still holds it
+            write_snapshot(cfg.run_dir, dist.get_rank())
         message = report_failure(recorder, e, dist.get_world_size(), timeout_s=cfg.comm_timeout or None,
                                  jsonl=cfg.metrics_jsonl or None)
         if message:
             print(f"paraseek: {message}", file=sys.stderr, flush=True)
+            if oom:
+                args, _, _ = resolve_model(cfg.init_from or cfg.model)
+                gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "H200"
+                where = "" if device.type == "cuda" else " (CPU run: advice for H200s)"
+                print(f"allocator snapshot: {cfg.run_dir}/oom_snapshot_rank{dist.get_rank()}.pickle{where}\n"
+                      + cheapest_fix(args, cfg, gpu), file=sys.stderr, flush=True)
         return REPORTED  # no destroy_process_group: the peers are gone or stuck
     dist.destroy_process_group()
     return rc
@@ -116,6 +126,17 @@ def _peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (process RSS peak)
+
+
+def _memory_metrics(device: torch.device) -> dict:
+    """The allocator's view on CUDA: allocated and reserved now, and cudaMalloc retries (each one a full cache
+    flush: a sign of fragmentation or of running at the edge)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"mem_allocated_gib": stats.get("allocated_bytes.all.current", 0) / 2**30,
+            "mem_reserved_gib": stats.get("reserved_bytes.all.current", 0) / 2**30,
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -> int:
@@ -296,6 +317,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
             "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
             "mfu": flops_tok * tps / world / peak if peak else None,
             "mem_peak_gib": _peak_memory_gib(device), "step_time_s": dt, **step_time_stats(rank_times),
+            **_memory_metrics(device),
         }
         if scaler:
             metrics["loss_scale"] = scaler.get_scale()
