@@ -105,8 +105,7 @@ def train(cfg: TrainConfig) -> int:
         raise
     except Exception as e:  # one line from the first failing rank; the traceback goes to RUN_DIR/errors/
         oom = isinstance(e, torch.OutOfMemoryError)
-        if oom:  # the evidence first, while the allocator still holds it
-            write_snapshot(cfg.run_dir, dist.get_rank())
+        snapshot = write_snapshot(cfg.run_dir, dist.get_rank()) if oom else None  # while the allocator holds it
         message = report_failure(recorder, e, dist.get_world_size(), timeout_s=cfg.comm_timeout or None,
                                  jsonl=cfg.metrics_jsonl or None)
         if message:
@@ -114,9 +113,8 @@ def train(cfg: TrainConfig) -> int:
             if oom:
                 args, _, _ = resolve_model(cfg.init_from or cfg.model)
                 gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "H200"
-                where = "" if device.type == "cuda" else " (CPU run: advice for H200s)"
-                print(f"allocator snapshot: {cfg.run_dir}/oom_snapshot_rank{dist.get_rank()}.pickle{where}\n"
-                      + cheapest_fix(args, cfg, gpu), file=sys.stderr, flush=True)
+                head = f"allocator snapshot: {snapshot}\n" if snapshot else "(a CPU run: the advice is for H200s)\n"
+                print(head + cheapest_fix(args, cfg, gpu), file=sys.stderr, flush=True)
         return REPORTED  # no destroy_process_group: the peers are gone or stuck
     dist.destroy_process_group()
     return rc
