@@ -299,7 +299,7 @@ def test_text_report_and_infer_mode_run():
     (["--gpus", "8", "--gpu-type", "H100"], "--global-batch-size is required"),
     (["--gpus", "12", "--gpu-type", "H100", "--global-batch-size", "48"], "not a multiple of --gpus-per-node 8"),
     (["--gpu-type", "H100", "--global-batch-size", "8"], "--gpus N and --gpu-type T"),
-    (["--hardware", "/nonexistent.json", "--global-batch-size", "8"], "no such hardware profile"),
+    (["--hardware", "/nonexistent.json", "--global-batch-size", "8"], "hardware profile /nonexistent.json: no such file"),
     (["--gpus", "8", "--gpu-type", "H100", "--global-batch-size", "8", "--scaling", "8,x"], "comma-separated"),
 ])
 def test_bad_input_is_one_clear_line(argv, message):

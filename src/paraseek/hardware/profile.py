@@ -96,16 +96,17 @@ def build_profile(doc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_profile(path: str | Path) -> dict[str, Any]:
-    """Read a profile written by `paraseek doctor --save`; a UserError says what is wrong with it."""
+def load_profile(path: str | Path, required: tuple[str, ...] = REQUIRED) -> dict[str, Any]:
+    """Read a profile written by `paraseek doctor --save` (or by hand, with at least `required`); a UserError says
+    what is wrong with it. The planner reads profiles through this too."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"hardware profile {p}: no such file; write one with `paraseek doctor --save {p}`")
     try:
         prof = json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"hardware profile {p}: not JSON ({e.msg} at line {e.lineno})")
-    missing = [k for k in REQUIRED if not isinstance(prof, dict) or k not in prof]
+        raise UserError(f"hardware profile {p}: not JSON ({e.msg} at line {e.lineno})") from None
+    missing = [k for k in required if not isinstance(prof, dict) or k not in prof]
     if missing:
         raise UserError(f"hardware profile {p}: missing {', '.join(missing)}; write it again with "
                         f"`paraseek doctor --save {p}`")

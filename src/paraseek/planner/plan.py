@@ -3,7 +3,6 @@ shape, achievable rates, and which link each process group crosses under parasee
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -155,15 +154,10 @@ def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
     """A cluster from a `paraseek doctor --save` profile: keys gpu_name, memory_gib, gpus_per_node, nodes,
     matmul_tflops, hbm_gbps, intra_node_busbw_gbps, inter_node_busbw_gbps (measured; each one present and not
     null overrides the datasheet default)."""
+    from paraseek.hardware.profile import load_profile as read_profile
+
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: no such hardware profile (write one with `paraseek doctor --save {p}`)")
-    try:
-        prof = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(prof, dict) or "gpu_name" not in prof:
-        raise UserError(f"{p}: a hardware profile needs at least 'gpu_name' (and gpus_per_node, nodes)")
+    prof = read_profile(p, required=("gpu_name",))
     name = str(prof["gpu_name"])
     spec = GPU_SPECS.get(name) or next((s for k, s in GPU_SPECS.items() if k.lower() == name.lower()), None)
     spec = spec or spec_for_device_name(name)
