@@ -141,6 +141,13 @@ def launch(cfg: TrainConfig) -> int:
             return 1  # the first failing worker printed the cause in one line
         how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
+        # A worker killed before it could report (NCCL's watchdog aborts on a timeout): the progress records and
+        # Flight Recorder dumps in the run folder still say who did not reach which step.
+        from paraseek.monitor.diagnose import diagnose
+
+        verdict = diagnose(cfg.run_dir)
+        if verdict.get("verdict") not in (None, "ok", "stopped"):
+            print(f"paraseek: {verdict['message']}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
