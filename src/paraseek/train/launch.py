@@ -145,7 +145,10 @@ def launch(cfg: TrainConfig) -> int:
         # Flight Recorder dumps in the run folder still say who did not reach which step.
         from paraseek.monitor.diagnose import diagnose
 
-        verdict = diagnose(cfg.run_dir)
+        try:
+            verdict = diagnose(cfg.run_dir)
+        except UserError:  # no run folder was written
+            return 1
         if verdict.get("verdict") not in (None, "ok", "stopped"):
             print(f"paraseek: {verdict['message']}", file=sys.stderr)
         return 1
