@@ -520,7 +520,7 @@ def rule_nodes(m: Machine) -> Iterable[Finding]:
     bw = m.busbw("world")
     meas = f"{bw[1]:.1f} GB/s all_reduce busbw over all {len(m.nodes)} nodes at {_fmt_bytes(bw[0])}" if bw else None
     if not any(ports.values()):
-        yield Finding("warning", "NO_RDMA", f"no active InfiniBand/RoCE port on any node"
+        yield Finding("warning", "NO_RDMA", "no active InfiniBand/RoCE port on any node"
                       + (f"; measured {meas}" if meas else ""),
                       "NCCL goes over TCP sockets between nodes: a fraction of what RDMA gives; data parallelism "
                       "across nodes then dominates the step", "use RDMA NICs (and GPUDirect RDMA); meanwhile keep "
