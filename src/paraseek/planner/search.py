@@ -224,6 +224,10 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                     unrunnable = [d for d, n in (("tp", tp), ("pp", pp), ("ep", ep)) if n > 1 and d not in ENGINE_DIMS]
                     if tp > 1 and ep > 1:
                         unrunnable.append("tp x ep")
+                    if tp > 1 and moe:
+                        # The engine keeps routed experts tp-replicated (each tp rank routes its own tokens); this
+                        # memory model splits them over tp. Until the two agree, don't run such a plan.
+                        unrunnable.append("tp on a MoE model")
                     if engine_only and unrunnable:
                         reject(f"{'/'.join(unrunnable)} not in paraseek train yet (see all plans with --all-dims)",
                                **_mesh(base))
