@@ -113,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from paraseek.planner.cli import register as register_plan
 
+    from paraseek.bench.run import register as register_bench
+
     register_train(sub)
     register_plan(sub)
+    register_bench(sub)
     register_doctor(sub)
     from paraseek.monitor.diagnose import register as register_diagnose
 

@@ -36,12 +36,43 @@ def cmd_train(ns: argparse.Namespace) -> int:
                 print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
             return 2
         return _run_worker(cfg)
+    cfg, _ = prepare(cfg)
+    return launch(cfg)
+
+
+def prepare(cfg: TrainConfig, with_prediction: bool = False) -> tuple[TrainConfig, dict | None]:
+    """Everything before the launch, in the parent: machine defaults, --plan auto, validation, model and data
+    checks. With `with_prediction`, also the planner's prediction for the plan (None off CUDA or on an unknown GPU)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    gpus = torch.cuda.device_count() if cuda else 0
     cfg = resolve_defaults(cfg, cuda, gpus)
     if cfg.plan == "auto":
         cfg = apply_auto_plan(cfg)
     validate(cfg, cuda, gpus)
     _check_model_and_data(cfg)
-    return launch(cfg)
+    return cfg, (_predict(cfg) if with_prediction and cuda else None)
+
+
+def _predict(cfg: TrainConfig) -> dict | None:
+    import torch
+
+    from paraseek.hardware.specs import spec_for_device_name
+    from paraseek.models import resolve_model
+    from paraseek.planner import Plan, evaluate, make_cluster
+
+    spec = spec_for_device_name(torch.cuda.get_device_name(0))
+    if spec is None:
+        return None
+    args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    plan = Plan(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep,
+                micro_batch_size=cfg.micro_batch_size, activation_checkpointing=cfg.activation_checkpointing,
+                cpu_offload=cfg.cpu_offload, reshard_after_forward=cfg.reshard_after_forward)
+    ev = evaluate(args, make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc), plan, cfg.seq_len,
+                  cfg.global_batch_size)
+    return {"memory_gib": ev.memory.total / 2**30, "tokens_per_s_per_gpu": ev.tokens_per_s_per_gpu,
+            "step_time_s": ev.time.total if ev.time else None, "fits": not ev.reason}
 
 
 def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:

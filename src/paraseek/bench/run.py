@@ -1,0 +1,156 @@
+"""Benchmark = the training engine itself on synthetic tokens: warm-up steps, then the median of the measured steps,
+per GPU count for weak scaling (the per-GPU batch stays fixed, the global batch grows with the GPUs)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from paraseek.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from paraseek.train.config import add_arguments
+
+    p = subparsers.add_parser(
+        "bench", help="measure tokens/s/GPU, MFU, memory and weak scaling of a plan (synthetic data)",
+        description="Run `paraseek train` on synthetic tokens for --warmup + --steps steps and report the median of "
+        "the measured steps: tokens/s/GPU, MFU, peak memory, and the planner's prediction (on known GPUs). "
+        "--scaling 1,2,... repeats it per GPU count with the per-GPU batch fixed (weak scaling). Takes every "
+        "`paraseek train` flag for the plan.",
+    )
+    add_arguments(p)
+    p.add_argument("--warmup", type=int, default=3, help="steps not measured (default 3)")
+    p.add_argument("--scaling", metavar="N,N,...", help="GPU (process) counts for weak scaling, e.g. 1,2")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--plot", metavar="FILE.png", help="with --scaling: throughput and efficiency vs GPUs (matplotlib)")
+    p.set_defaults(func=run_bench)
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--scaling {text!r}: expected comma-separated process counts such as 1,2,4") from None
+    if not counts or min(counts) <= 0:
+        raise UserError(f"--scaling {text!r}: counts must be positive")
+    return sorted(set(counts))
+
+
+def _measure(cfg, warmup: int, workdir: Path, quiet_stdout: bool) -> dict[str, Any]:
+    from paraseek.train.launch import prepare, launch
+
+    jsonl = workdir / f"bench-{cfg.nproc}.jsonl"
+    cfg = dataclasses.replace(cfg, data="synthetic", steps=warmup + cfg.steps, metrics_jsonl=str(jsonl),
+                              run_dir=str(workdir / f"run-{cfg.nproc}"), checkpoint_dir="", export_hf="",
+                              tensorboard="")
+    cfg, predicted = prepare(cfg, with_prediction=True)
+    if quiet_stdout:  # --json: stdout carries one document; the runs' own lines go to stderr (the workers inherit fd 1)
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    try:
+        rc = launch(cfg)
+    finally:
+        if quiet_stdout:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+    if rc != 0:
+        raise UserError(f"the benchmark run on {cfg.nproc} process(es) failed (its message is above)")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r and r["step"] > warmup]
+    median = statistics.median
+    mfus = [r["mfu"] for r in steps if r.get("mfu") is not None]
+    return {
+        "gpus": cfg.world_size, "model": cfg.init_from or cfg.model, "seq_len": cfg.seq_len,
+        "global_batch_size": cfg.global_batch_size, "micro_batch_size": cfg.micro_batch_size,
+        "dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "ep": cfg.ep,
+        "activation_checkpointing": cfg.activation_checkpointing, "compile": cfg.compile, "precision": cfg.precision,
+        "measured_steps": len(steps),
+        "step_time_s": median(r["step_time_s"] for r in steps),
+        "tokens_per_s_per_gpu": median(r["tokens_per_s_per_gpu"] for r in steps),
+        "mfu": median(mfus) if mfus else None,
+        "mem_peak_gib": max(r["mem_peak_gib"] for r in steps),
+        "predicted": predicted,
+    }
+
+
+def run_bench(ns: argparse.Namespace) -> int:
+    import torch
+
+    from paraseek.train.config import from_namespace
+
+    if ns.warmup < 0:
+        raise UserError(f"--warmup must be >= 0, got {ns.warmup}")
+    base = from_namespace(ns)
+    if base.steps == 100 and ns.steps is None:  # train's default is a long run; a benchmark wants a short one
+        base = dataclasses.replace(base, steps=10)
+    cuda = torch.cuda.is_available() and base.device != "cpu"
+    counts = _counts(ns.scaling) if ns.scaling else [base.nproc or (torch.cuda.device_count() if cuda else 2)]
+    first = counts[0]
+    per_rank_batch = base.global_batch_size // first if ns.scaling else None
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="paraseek-bench-") as tmp:
+        for n in counts:
+            cfg = dataclasses.replace(base, nproc=n, dp_shard=-1 if ns.dp_shard is None else base.dp_shard)
+            if per_rank_batch is not None:
+                cfg = dataclasses.replace(cfg, global_batch_size=max(1, per_rank_batch) * n)
+            rows.append(_measure(cfg, ns.warmup, Path(tmp), quiet_stdout=ns.json))
+    for row in rows:
+        row["weak_scaling_efficiency"] = row["tokens_per_s_per_gpu"] / rows[0]["tokens_per_s_per_gpu"]
+    if ns.plot:
+        _plot(rows, ns.plot)
+    if ns.json:
+        print(json.dumps({"runs": rows}, indent=2))
+    else:
+        _print(rows)
+    return 0
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="paraseek bench (median of measured steps; synthetic tokens)")
+    for col in ("GPUs", "plan", "step s", "tokens/s/GPU", "MFU", "peak GiB", "efficiency", "predicted tok/s/GPU, GiB"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        plan = f"dp {r['dp_replicate']}x{r['dp_shard']}" + (f" tp {r['tp']}" if r["tp"] > 1 else "") + \
+            (f" ep {r['ep']}" if r["ep"] > 1 else "") + f" mbs {r['micro_batch_size']} AC {r['activation_checkpointing']}"
+        p = r["predicted"]
+        table.add_row(str(r["gpus"]), plan, f"{r['step_time_s']:.3f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                      f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-", f"{r['mem_peak_gib']:.1f}",
+                      f"{r['weak_scaling_efficiency'] * 100:.1f}%",
+                      f"{p['tokens_per_s_per_gpu']:,.0f}, {p['memory_gib']:.1f}" if p else "-")
+    Console().print(table)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    gpus = [r["gpus"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(gpus, [r["tokens_per_s_per_gpu"] for r in rows], "o-", label="measured")
+    if all(r["predicted"] for r in rows):
+        a.plot(gpus, [r["predicted"]["tokens_per_s_per_gpu"] for r in rows], "s--", label="predicted")
+    a.set(xlabel="GPUs", ylabel="tokens/s/GPU", title=rows[0]["model"])
+    a.legend()
+    b.plot(gpus, [r["weak_scaling_efficiency"] * 100 for r in rows], "o-")
+    b.set(xlabel="GPUs", ylabel="weak-scaling efficiency (%)", ylim=(0, 110))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", file=sys.stderr)
