@@ -53,3 +53,49 @@ def assert_same_losses(got: dict[int, float], ref: dict[int, float], rtol: float
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
     for step in ref:
         assert abs(got[step] - ref[step]) <= rtol * abs(ref[step]), (step, got[step], ref[step])
+
+
+# ---- in-process workers for module-level tests (torch.multiprocessing spawn, a FileStore in the test's folder) ------
+def _spawn_worker(rank: int, world: int, workdir: str, fn, kwargs: dict) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(os.path.join(workdir, "store"), world)
+        if kwargs.get("device") == "cuda":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
+                                    device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        try:
+            out = fn(rank, world, **kwargs)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        torch.save(out, os.path.join(workdir, f"out{rank}.pt"))
+    except BaseException:
+        Path(workdir, f"err{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def spawn(fn, world: int, workdir: Path, **kwargs) -> list:
+    """Run fn(rank, world, **kwargs) in `world` fresh processes joined in one gloo (or nccl, with device="cuda")
+    group; returns each rank's result. A worker's traceback fails the test."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_spawn_worker, args=(r, world, str(workdir), fn, kwargs)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    errors = [Path(workdir, f"err{r}.txt").read_text() for r in range(world) if Path(workdir, f"err{r}.txt").exists()]
+    if errors or any(p.exitcode != 0 for p in procs):
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise AssertionError(f"worker failed ({[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+    return [torch.load(Path(workdir) / f"out{r}.pt") for r in range(world)]

@@ -2,7 +2,6 @@
 a checkpoint written by 2, through torch DCP's resharding); an HF export loads in transformers with our logits;
 PowerSGD compression converges next to plain DDP."""
 
-import json
 
 import pytest
 import torch

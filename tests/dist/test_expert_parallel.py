@@ -7,14 +7,11 @@ dist_helpers.seed_checkpoint) so no top-k choice sits on a tie. Also: V3's balan
 and the balance losses equal their formulas written out token by token.
 """
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from paraseek.models import load_pretrained, save_pretrained
@@ -34,43 +31,12 @@ from paraseek.parallel.expert import (
     update_routing_bias,
 )
 
+from dist_helpers import spawn  # noqa: E402
+
 pytestmark = pytest.mark.dist
 
 RTOL = 1e-4
 BATCH, SEQ = 8, 16
-
-
-# ---- process harness --------------------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, root: str, fn_name: str, kwargs: dict) -> None:
-    torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(os.path.join(root, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        try:
-            out = globals()[fn_name](rank, world, Path(root), **kwargs)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        torch.save(out, os.path.join(root, f"out{rank}.pt"))
-    except BaseException:
-        Path(root, f"err{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def _spawn(fn_name: str, world: int, root: Path, **kwargs) -> list:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(root), fn_name, kwargs)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    errors = [Path(root, f"err{r}.txt").read_text() for r in range(world) if Path(root, f"err{r}.txt").exists()]
-    if errors or any(p.exitcode != 0 for p in procs):
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        raise AssertionError(f"worker failed ({[p.exitcode for p in procs]}):\n" + "\n".join(errors))
-    return [torch.load(root / f"out{r}.pt") for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +145,7 @@ def ep_only(rank: int, world: int, root: Path, folder: str) -> dict:
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_gradients_equal_single_process(ep, seed_folder, tmp_path):
-    outs = _spawn("ep_only", ep, tmp_path, folder=str(seed_folder))
+    outs = spawn(ep_only, ep, tmp_path, root=tmp_path, folder=str(seed_folder))
     for rank, out in enumerate(outs):
         assert abs(out["loss"] - out["ref_loss"]) <= RTOL * abs(out["ref_loss"]), (rank, out["loss"], out["ref_loss"])
         assert out["n_local"] == 8 // ep
@@ -248,7 +214,7 @@ def test_ep_with_fsdp_equals_single_process(seed_folder, tmp_path):
     """4 ranks: FSDP2 over 4 with ep 2 and ep 4, HSDP 2x2 with ep 2 (the experts then replicated over dp_replicate,
     one EP group per replica); loss, every gradient and the global gradient norm as one process computes them;
     a checkpoint of one layout resumes in the next."""
-    out = _spawn("ep_fsdp", 4, tmp_path, folder=str(seed_folder))[0]
+    out = spawn(ep_fsdp, 4, tmp_path, root=tmp_path, folder=str(seed_folder))[0]
     for layout, got in out["layouts"].items():
         assert abs(got["loss"] - out["ref_loss"]) <= RTOL * abs(out["ref_loss"]), (layout, got["loss"], out["ref_loss"])
         worst = max(got["errors"].items(), key=lambda kv: kv[1])
@@ -308,7 +274,7 @@ def balancing(rank: int, world: int, root: Path, folder: str, steps: int, gamma:
 
 def test_balancing_bias_brings_load_down(seed_folder, tmp_path):
     """EP over 2 ranks, 20 steps of two micro-batches, V3's rule with gamma 0.01 on a router skewed towards expert 0."""
-    outs = _spawn("balancing", 2, tmp_path, folder=str(seed_folder), steps=20, gamma=0.01, skewed=0, push=30.0)
+    outs = spawn(balancing, 2, tmp_path, root=tmp_path, folder=str(seed_folder), steps=20, gamma=0.01, skewed=0, push=30.0)
     history = [h["expert_load_max_over_mean"] for h in outs[0]["history"]]
     assert history[0] > 2.4, history  # the skew worked: expert 0 takes most tokens (4.0 = every token, 1.0 = even)
     assert max(history[-5:]) < 0.6 * history[0], history

@@ -11,14 +11,12 @@ same math, only the matmul shapes and the reduction order differ. The router wei
 choice sits on a near-tie (see dist_helpers.seed_checkpoint).
 """
 
-import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -39,48 +37,12 @@ from paraseek.parallel.tensor import (
     tp_loss,
 )
 
+from dist_helpers import spawn  # noqa: E402
+
 pytestmark = pytest.mark.dist
 
 RTOL = 1e-4
 BATCH, SEQ, STEPS, LR, MAX_NORM = 4, 16, 3, 0.01, 1.0
-
-
-# ---- process harness --------------------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, root: str, fn_name: str, kwargs: dict) -> None:
-    torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(os.path.join(root, "store"), world)
-        if kwargs.get("device") == "cuda":
-            torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
-                                    device_id=torch.device("cuda", rank))
-        else:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        try:
-            out = globals()[fn_name](rank, world, **kwargs)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        torch.save(out, os.path.join(root, f"out{rank}.pt"))
-    except BaseException:
-        Path(root, f"err{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def _spawn(fn_name: str, world: int, root: Path, **kwargs) -> list:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(root), fn_name, kwargs)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    errors = [Path(root, f"err{r}.txt").read_text() for r in range(world) if Path(root, f"err{r}.txt").exists()]
-    if errors or any(p.exitcode != 0 for p in procs):
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        raise AssertionError(f"worker failed ({[p.exitcode for p in procs]}):\n" + "\n".join(errors))
-    return [torch.load(root / f"out{r}.pt") for r in range(world)]
 
 
 MODELS = {"tiny-dense": ("tiny-dense", {}), "tiny-moe": ("tiny-moe", {}),
@@ -267,7 +229,7 @@ def _check(outs: list[dict], name: str, rtol: float = RTOL) -> None:
 
 @pytest.fixture(scope="module")
 def tp2_results(folders, tmp_path_factory) -> list[dict]:
-    return _spawn("tp_vs_reference", 2, tmp_path_factory.mktemp("tp2"),
+    return spawn(tp_vs_reference, 2, tmp_path_factory.mktemp("tp2"),
                   folders={name: str(f) for name, f in folders.items()}, sequence_parallel=[True, False])
 
 
@@ -279,7 +241,7 @@ def test_tp2_matches_single_process(model, tp2_results):
 def test_fsdp2_by_tp2_matches_single_process(folders, tmp_path):
     """The 2-D mesh and order the engine will use: TP/SP -> selective AC -> FSDP2 over dp_shard (tiny-moe: MLA,
     shared + routed experts, whose plain router/expert weights live on the dp mesh next to the 2-D TP DTensors)."""
-    outs = _spawn("tp_vs_reference", 4, tmp_path, folders={"tiny-moe": str(folders["tiny-moe"])},
+    outs = spawn(tp_vs_reference, 4, tmp_path, folders={"tiny-moe": str(folders["tiny-moe"])},
                   sequence_parallel=[True], dp=2, ac="selective")
     _check(outs, "tiny-moe")
 
@@ -289,7 +251,7 @@ def test_fsdp2_by_tp2_matches_single_process(folders, tmp_path):
 def test_tp2_nccl_matches_single_gpu(folders, tmp_path):
     """The same comparison with NCCL on 2 GPUs (fp32; CUDA attention kernels differ more than the CPU ones)."""
     names = ["tiny-dense", "tiny-moe"]
-    outs = _spawn("tp_vs_reference", 2, tmp_path, folders={n: str(folders[n]) for n in names},
+    outs = spawn(tp_vs_reference, 2, tmp_path, folders={n: str(folders[n]) for n in names},
                   sequence_parallel=[True, False], device="cuda")
     for name in names:
         _check(outs, name, rtol=1e-3)
@@ -300,7 +262,7 @@ def test_tp2_nccl_matches_single_gpu(folders, tmp_path):
 def test_tp2_compiled_nccl_matches_single_gpu(folders, tmp_path):
     """The engine's full order on GPUs: TP/SP -> selective AC -> torch.compile per block (MLA's custom gradient
     path and the MoE's graph breaks included)."""
-    outs = _spawn("tp_vs_reference", 2, tmp_path, folders={"tiny-moe": str(folders["tiny-moe"])},
+    outs = spawn(tp_vs_reference, 2, tmp_path, folders={"tiny-moe": str(folders["tiny-moe"])},
                   sequence_parallel=[True], ac="selective", device="cuda", compile=True)
     _check(outs, "tiny-moe", rtol=1e-3)
 
