@@ -12,18 +12,23 @@ from paraseek.planner import Plan, model_state_bytes
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("model,nproc,dp_replicate,dp_shard", [
-    ("tiny-moe", 2, 1, 2),   # FSDP2: sharded
-    ("tiny-dense", 2, 2, 1),  # DDP: replicated
-    ("tiny-moe", 4, 2, 2),   # HSDP: sharded inside, replicated across
+@pytest.mark.parametrize("model,nproc,dp_replicate,dp_shard,tp", [
+    ("tiny-moe", 2, 1, 2, 1),   # FSDP2: sharded
+    ("tiny-dense", 2, 2, 1, 1),  # DDP: replicated
+    ("tiny-moe", 4, 2, 2, 1),   # HSDP: sharded inside, replicated across
+    # TP + SP: attention, dense MLP, shared experts and vocabulary split over tp; router and routed experts
+    # replicated on every tp rank (not divided by tp), then FSDP2-sharded over dp_shard like everything else
+    ("tiny-moe", 2, 1, 1, 2),
+    ("tiny-moe", 4, 1, 2, 2),
 ])
-def test_model_state_bytes_match_the_run(model, nproc, dp_replicate, dp_shard, tmp_path):
+def test_model_state_bytes_match_the_run(model, nproc, dp_replicate, dp_shard, tp, tmp_path):
     run_train(*EXACT, "--model", model, "--steps", "1", "--nproc", str(nproc), "--dp-replicate", str(dp_replicate),
-              "--dp-shard", str(dp_shard), "--micro-batch-size", "2", "--metrics-jsonl", "m.jsonl", cwd=tmp_path)
+              "--dp-shard", str(dp_shard), "--tp", str(tp), "--micro-batch-size", "2", "--metrics-jsonl", "m.jsonl",
+              cwd=tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     measured = next(r for r in rows if r.get("event") == "model_state")
     args = ModelArgs.from_hf_config(preset_config(model))
-    predicted = model_state_bytes(args, Plan(dp_replicate=dp_replicate, dp_shard=dp_shard))
+    predicted = model_state_bytes(args, Plan(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp))
     for key in ("params", "grads", "optimizer"):
         # the planner gives the mean per rank; FSDP2's uneven dim-0 chunks make ranks differ slightly
         assert sum(measured[key]) == pytest.approx(predicted[key] * nproc, rel=0, abs=0), key

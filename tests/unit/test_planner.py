@@ -15,7 +15,7 @@ from paraseek.models import build_model, param_counts, resolve_model
 from paraseek.planner import Plan, best_plan, evaluate, make_cluster, model_state_bytes, search
 from paraseek.planner.cli import register
 from paraseek.planner.infer import kv_bytes_per_token, plan_inference
-from paraseek.planner.memory import GiB, in_flight, layer_activation_bytes, model_terms, partition
+from paraseek.planner.memory import GiB, in_flight, layer_activation_bytes, model_terms, partition, rank_shares
 from paraseek.planner.plan import load_profile
 from paraseek.planner.search import scaling
 
@@ -69,15 +69,72 @@ def test_model_state_bytes_equal_closed_forms(name, plan):
     whole, split, experts = split_of_module(a)
     assert whole + split + experts == param_counts(a).total
     # fp32 params 4 B, fp32 grads 4 B, AdamW exp_avg + exp_avg_sq 8 B per parameter this rank owns. TP splits
-    # `split` and the experts; FSDP splits the rest over dp_shard; EP splits experts over ep ranks and FSDP them
-    # over dp_shard / ep, so ep * (dp_shard / ep) = dp_shard either way. DDP: dp_shard = 1, all replicated.
-    owned = (split / plan.tp + whole + experts / plan.tp) / plan.dp_shard
+    # `split` only: the engine replicates the routed experts on every tp rank (each routes its own tokens under SP);
+    # FSDP splits everything over dp_shard; EP splits experts over ep ranks and FSDP them over dp_shard / ep, so
+    # ep * (dp_shard / ep) = dp_shard either way. DDP: dp_shard = 1, all replicated.
+    owned = (split / plan.tp + whole + experts) / plan.dp_shard
     got = model_state_bytes(a, plan)
     assert got["params"] == pytest.approx(4 * owned, rel=1e-12)
     assert got["grads"] == pytest.approx(4 * owned, rel=1e-12)
     assert got["optimizer"] == pytest.approx(8 * owned, rel=1e-12)
     assert got["total"] == pytest.approx(16 * owned, rel=1e-12)
     assert got["device"] == ("cpu" if plan.cpu_offload else "cuda")
+
+
+def test_tp_replicates_routed_experts_and_all_reduces_their_grads():
+    """The engine's TP layout for MoE (parallel/tensor.py): router and routed experts whole on every tp rank, so
+    tp only shrinks the rest; their partial grads, with MLA's replicated down-projections', are summed over tp."""
+    a, c = model("deepseek-v2-lite"), make_cluster("H200", 8)
+    whole, split, experts = split_of_module(a)
+    for tp in (1, 2, 4):
+        got = model_state_bytes(a, Plan(dp_shard=8 // tp, tp=tp))["params"]
+        assert got == pytest.approx(4 * (split / tp + whole + experts) / (8 // tp), rel=1e-12)
+    # The all-reduce moves the fp32 (dp-shard of the) partial grads once per step: router + MLA latent + experts.
+    m = build_model(a, "meta")
+    partial = sum(p.numel() for n, p in m.named_parameters()
+                  if ".experts." in n and "shared" not in n or n.endswith("gate.weight")
+                  or any(k in n for k in ("q_a_proj", "q_a_layernorm", "kv_a_proj", "kv_a_layernorm")))
+    plan = Plan(dp_shard=4, tp=2, micro_batch_size=1, activation_checkpointing="full")
+    ev = evaluate(a, c, plan, 4096, 32)
+    assert ev.time.items["tp_grad_allreduce"] > 0
+    tp1 = evaluate(a, c, Plan(dp_shard=8, micro_batch_size=1, activation_checkpointing="full"), 4096, 32)
+    assert tp1.time.items["tp_grad_allreduce"] == 0
+    # fp32 grads, dp shard of 4: a ring all-reduce over the 2 tp ranks (busbw factor 2(n-1)/n = 1) + 10 us per call,
+    # plus the flat buffer's copy in and out (4 bytes of HBM traffic per byte).
+    nbytes = 4 * partial / 4
+    expected = nbytes / c.busbw(1, 2)[0] + 10e-6 + 4 * nbytes / (c.hbm_gbps * 1e9)
+    assert ev.time.items["tp_grad_allreduce"] == pytest.approx(expected, rel=1e-9)
+    # A dense GQA model has no tp-replicated params that get partial grads: no such all-reduce.
+    d = model("deepseek-llm-7b")
+    dense = evaluate(d, c, Plan(dp_shard=4, tp=2, activation_checkpointing="full"), 4096, 32)
+    assert dense.time.items["tp_grad_allreduce"] == 0
+
+
+def test_tp_divides_expert_work_and_routing_activations_per_rank():
+    """Under SP each tp rank routes T / tp tokens: expert FLOPs and routing/dispatch activations per rank are 1/tp
+    of one rank's at tp = 1 (the whole experts run on a quarter of the tokens at tp = 4)."""
+    a = model("deepseek-v2-lite")
+    t = model_terms(a, 4096)
+    one, four = rank_shares(t, 1, 1, 1, 1, "none")[0], rank_shares(t, 4, 1, 1, 1, "none")[0]
+    assert four.expert_flops == pytest.approx(one.expert_flops / 4)
+    assert four.experts == one.experts  # replicated
+    assert four.dispatch_max == pytest.approx(one.dispatch_max / 4)
+    moe_layer = next(i for i in range(a.n_layers) if a.is_moe_layer(i))
+    whole, _ = layer_activation_bytes(a, moe_layer, "none")
+    dense_layer_whole, _ = layer_activation_bytes(a.replace(n_routed_experts=0, first_k_dense_replace=a.n_layers),
+                                                  moe_layer, "none")
+    assert whole == dense_layer_whole  # routing keeps nothing whole on every tp rank: only the gathered inputs
+
+
+def test_engine_only_allows_tp_for_moe_but_not_tp_x_ep():
+    a, c = model("deepseek-v2-lite"), make_cluster("H200", 8)
+    res = search(a, c, 4096, 64, engine_only=True)
+    assert any(e.plan.tp > 1 for e in res.plans), [r.reason for r in res.rejected if r.mesh.get("tp", 1) > 1]
+    assert all(not (e.plan.tp > 1 and e.plan.ep > 1) for e in res.plans)
+    assert any("tp x ep" in r.reason for r in res.rejected)
+    # the engine runs tp with FSDP2 only, and without CPU offload
+    assert all(not (e.plan.tp > 1 and (e.plan.dp_shard == 1 and e.plan.dp_replicate > 1 or e.plan.cpu_offload))
+               for e in res.plans)
 
 
 def test_pipeline_stages_hold_every_layer_once():

@@ -8,6 +8,10 @@ priced with nccl-tests' bus-bandwidth factors (all-reduce 2(n-1)/n, all-gather /
 Pipeline: (m + bubble) x the slowest rank's micro-batch time, the bubble per schedule (Narayanan et al. 2021 for
 1F1B and interleaving, Qi et al. 2024 for zero bubble). FSDP/HSDP traffic overlaps compute except the first
 prefetch and whatever exceeds the compute it hides behind.
+Tensor parallelism is the engine's with sequence parallelism (its default): routed experts are replicated on every
+tp rank, each running them on its own T / tp tokens, so per rank they cost 1/tp of the expert FLOPs but on smaller
+grouped GEMMs, and their partial gradients (with the router's and MLA's replicated down-projections') are all-reduced
+over tp once per step after backward (`reduce_tp_grads`), on the critical path.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ PCIE_EFFICIENCY = 0.8
 EP_CALL_OVERHEAD_S = 1e-3  # per all-to-all: split sizes go to the host first (a sync that drains the launch queue)
 MOE_LAYER_OVERHEAD_S = 1.5e-3  # per MoE layer per micro-batch: ~40 small routing/permutation kernels, fwd + bwd
 GROUPED_HALF_ROWS = 450  # rows per expert at which grouped GEMMs reach half their top rate (V2-Lite layer on H200)
+# reduce_tp_grads: torch.cat reads and writes the grads into one flat buffer, the copy back reads and writes them again
+TP_GRAD_COPY_TRAFFIC = 4.0
 PP_ACTION_OVERHEAD_S = 0.5e-3  # per forward or backward of a chunk: the schedule's p2p waits and Python dispatch
 ZB_BUBBLE_SHARE = 1 / 3  # zero-bubble V keeps a third of an interleaved(v=2) bubble (imperfect W filling)
 
@@ -83,8 +89,9 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     world_stride = plan.world // plan.pp
     p2p = (act_bytes / tp) / c.busbw(world_stride, 2)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
 
-    # Expert GEMMs get more rows per expert as EP gathers tokens from ep ranks: small GEMMs are inefficient.
-    rows = tokens * ep * a.n_activated_experts / max(a.n_routed_experts, 1)
+    # Expert GEMMs get more rows per expert as EP gathers tokens from ep ranks, fewer under TP + SP (each tp rank
+    # routes only its T / tp tokens to its whole replicated experts): small GEMMs are inefficient.
+    rows = tokens / tp * ep * a.n_activated_experts / max(a.n_routed_experts, 1)
     grouped_eff = eff.grouped * rows / (rows + GROUPED_HALF_ROWS) if rows else 1.0
     # The slowest pp rank's micro-batch.
     worst: dict[str, float] = {}
@@ -142,6 +149,11 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     # HSDP/DDP: all-reduce of the (sharded) fp32 grads over dp_replicate, behind the last backward.
     ar = collective(c, FP32 * owned, tp * plan.dp_shard, plan.dp_replicate, "all_reduce")
     items["dp_allreduce"] = exposed(ar, t_mb * 2 / 3) if plan.dp_replicate > 1 else 0.0
+    # TP: the partial fp32 grads of the tp-replicated params (router, routed experts / ep, MLA's latent path), dp
+    # shards after FSDP2's reduce, summed over tp in one flat all-reduce after backward, nothing left to hide behind.
+    partial = max(x.tp_partial for x in shares) / plan.dp_shard
+    items["tp_grad_allreduce"] = (collective(c, FP32 * partial, 1, tp, "all_reduce")
+                                  + TP_GRAD_COPY_TRAFFIC * FP32 * partial / hbm) if tp > 1 and partial else 0.0
     if plan.cpu_offload:
         # Each gather copies the fp32 shard host->device; each reduce copies fp32 grads back (PCIe, per GPU).
         pcie = rounds * (gathers + 1) * FP32 * owned / (c.gpu.pcie_gbps * 1e9 * PCIE_EFFICIENCY)

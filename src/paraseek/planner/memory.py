@@ -6,7 +6,14 @@ Activations are counted tensor by tensor for the layers of `models/deepseek.py` 
 mode, checked against `saved_tensors_hooks` in the tests), in the form of Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", eq. 2 and sec. 4.2.2 for sequence parallelism): bytes per
 token per layer, each term either divided by tp (heads, ffn width, or sequence-sharded under SP) or whole on every
-tp rank (the all-gathered inputs of column-parallel projections, MLA's replicated low-rank paths, MoE routing).
+tp rank (the all-gathered inputs of column-parallel projections, MLA's replicated low-rank paths).
+
+Tensor parallelism is the engine's (parallel/tensor.py), always with sequence parallelism (its default; the planner
+prices no TP plan without SP): attention, dense MLPs and shared experts are Megatron-sharded, while the router and
+the routed experts are replicated on every tp rank, and each tp rank routes and computes only its own T / tp tokens.
+So routed-expert params, grads and optimizer states are *not* divided by tp (FSDP2 still shards them over dp_shard,
+EP over ep), MoE routing/dispatch activations are per local token, and the router's, the routed experts' and MLA's
+replicated down-projections' partial gradients are all-reduced over tp once per step (`reduce_tp_grads`).
 With flash/memory-efficient SDPA the paper's 5*a*s/h attention-score term is replaced by the output and its fp32
 log-sum-exp. Pipeline schedules keep several micro-batches in flight (sec. 4.2.3 of the same paper).
 """
@@ -83,7 +90,9 @@ def layer_activation_bytes(a: ModelArgs, layer_id: int, ac: str) -> tuple[int, i
         split += 4 * BF16 * F if none else 2 * BF16 * F + BF16 * D  # gate, up, silu, product | gate, up, down out
         return whole, split
     E, K, Fe, Fs = a.n_routed_experts, a.n_activated_experts, a.moe_inter_dim, a.moe_inter_dim * a.n_shared_experts
-    # Experts are split over tp like the dense MLP (ETP = TP); routing runs on the gathered tokens of every tp rank.
+    # Under TP + SP the router and the routed experts are replicated and each tp rank routes only its own T / tp
+    # tokens: everything below but the shared experts (column-parallel on the gathered tokens) is per local token,
+    # i.e. divided by tp like the sequence-sharded terms. (Without SP every tp rank would route all T tokens.)
     if none:
         # fp32 input, scores, top-k index, weights and their sum. The biased/grouped choice only yields indices, so
         # autograd frees what it saved -- except V2's group max, a view of the scores.
@@ -92,11 +101,11 @@ def layer_activation_bytes(a: ModelArgs, layer_id: int, ac: str) -> tuple[int, i
             router += FP32 * a.n_group
         dispatch = 8 * K + BF16 * D * K  # token index per slot, the gathered rows (the all-to-all output under EP)
         combine = 8 * K + FP32 * D * K + FP32 * K  # slot order, fp32 expert outputs in token order, their weights
-        whole += router + dispatch + combine
-        split += 4 * BF16 * Fe * K + 4 * BF16 * Fs  # routed and shared SwiGLU internals
+        split += router + dispatch + combine
+        split += 4 * BF16 * Fe * K + 4 * BF16 * Fs  # routed (local tokens, whole Fe) and shared (Fs / tp) SwiGLU
     else:
         # Saved: the router's fp32 logits and the grouped-GEMM outputs (the gather is an index op: recomputed).
-        whole += FP32 * E + BF16 * D * K
+        split += FP32 * E + BF16 * D * K
         split += 2 * BF16 * Fe * K + 2 * BF16 * Fs + BF16 * D  # gate/up outputs (routed, shared), shared down out
     return whole, split
 
@@ -108,7 +117,9 @@ class LayerTerms:
     moe: bool
     params_split: int  # divided by tp: head-sharded attention projections, dense MLP, shared experts
     params_whole: int  # on every tp rank: norms, router, MLA's q_a/kv_a down-projections, o_proj bias
-    params_experts: int  # routed experts: divided by ep and tp
+    params_experts: int  # routed experts: replicated over tp, divided by ep
+    router: int  # the router's weight (part of params_whole): run on this tp rank's T / tp tokens only
+    partial_whole: int  # whole params whose grads reduce_tp_grads sums over tp: the router, MLA's latent path
     active_split: int  # the same, counting the parameters one token uses
     active_whole: int
     active_experts: int
@@ -129,15 +140,23 @@ class ModelTerms:
     flops_per_token: int  # the MFU numerator (stats.flops_per_token)
 
 
+def _mla_latent_params(a: ModelArgs) -> int:
+    """MLA's q_a_proj, kv_a_proj_with_mqa and their norms: replicated on every tp rank (the latent is shared by all
+    heads), each rank's gradient a partial sum over its own heads."""
+    if not a.is_mla:
+        return 0
+    n = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+    if a.q_lora_rank:
+        n += a.dim * a.q_lora_rank + a.q_lora_rank
+    return n
+
+
+def _router_params(a: ModelArgs, layer_id: int) -> int:
+    return a.n_routed_experts * a.dim if a.is_moe_layer(layer_id) else 0  # V3's bias is a buffer, not trained
+
+
 def _whole_params(a: ModelArgs, layer_id: int) -> int:
-    whole = 2 * a.dim + (a.dim if a.o_bias else 0)
-    if a.is_mla:
-        if a.q_lora_rank:
-            whole += a.dim * a.q_lora_rank + a.q_lora_rank
-        whole += a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
-    if a.is_moe_layer(layer_id):
-        whole += a.n_routed_experts * a.dim
-    return whole
+    return 2 * a.dim + (a.dim if a.o_bias else 0) + _mla_latent_params(a) + _router_params(a, layer_id)
 
 
 @functools.lru_cache(maxsize=64)
@@ -150,10 +169,11 @@ def model_terms(a: ModelArgs, seq_len: int) -> ModelTerms:
         moe = a.is_moe_layer(i)
         expert = 3 * a.dim * a.moe_inter_dim
         experts, active_experts = (a.n_routed_experts * expert, a.n_activated_experts * expert) if moe else (0, 0)
-        whole = _whole_params(a, i)
+        whole, router = _whole_params(a, i), _router_params(a, i)
         layers.append(LayerTerms(
             moe=moe,
             params_split=c.per_layer[i] - experts - whole, params_whole=whole, params_experts=experts,
+            router=router, partial_whole=router + _mla_latent_params(a),
             active_split=c.per_layer_active[i] - active_experts - whole, active_whole=whole,
             active_experts=active_experts, attn_flops=attn,
             act={ac: layer_activation_bytes(a, i, ac) for ac in ("none", "selective", "full")},
@@ -240,15 +260,16 @@ class RankShare:
     first: bool  # holds the embedding
     last: bool  # holds the final norm, head and loss
     dense: float  # non-expert params on this tp rank (root included)
-    experts: float  # routed-expert params on this tp rank (before ep)
+    experts: float  # routed-expert params on this tp rank (before ep): all of them, they are replicated over tp
     block_max: float  # largest block's local params (FSDP's all-gather unit), experts divided by ep
+    tp_partial: float  # params whose grads reduce_tp_grads all-reduces over tp: router, MLA latent, experts / ep
     root: float  # embedding + head + final norm local params (FSDP's root module)
     act: dict  # ac mode -> bytes per token of saved activations on this tp rank, all its layers
     noac_max: float  # bytes per token of the largest block without checkpointing (rematerialized in backward)
-    dispatch_max: int  # bytes per token of one all-to-all, 0 without MoE layers
+    dispatch_max: float  # bytes per token (of the dp rank's micro-batch) this tp rank sends in one all-to-all
     n_moe: int
     linear_flops: float  # training FLOPs per token on this tp rank: dense/replicated linears (+ head)
-    expert_flops: float  # routed-expert FLOPs per token on this tp rank (ETP = TP)
+    expert_flops: float  # routed-expert FLOPs per token on this tp rank: whole experts on T / tp tokens (SP)
     attn_flops: float  # causal half of the score/value matmuls per token on this tp rank
     elem_bytes: float  # saved-activation bytes per token without checkpointing (memory-bound traffic proxy)
 
@@ -268,12 +289,19 @@ def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str)
         out.append(RankShare(
             layers=layers, first=first, last=last,
             dense=sum(L.params_split / tp + L.params_whole for L in Ls) + root,
-            experts=sum(L.params_experts / tp for L in Ls),
-            block_max=max(L.params_split / tp + L.params_whole + L.params_experts / (tp * ep) for L in Ls),
+            # Routed experts are replicated over tp (the engine's TP layout), split over ep only.
+            experts=sum(L.params_experts for L in Ls),
+            block_max=max(L.params_split / tp + L.params_whole + L.params_experts / ep for L in Ls),
+            tp_partial=sum(L.partial_whole + L.params_experts / ep for L in Ls) if tp > 1 else 0.0,
             root=root, act=act, noac_max=max(noac),
-            dispatch_max=max(L.dispatch_bytes for L in Ls), n_moe=sum(L.moe for L in Ls),
-            linear_flops=6 * sum(L.active_split / tp + L.active_whole for L in Ls)
+            # Each tp rank dispatches its own T / tp tokens (SP).
+            dispatch_max=max(L.dispatch_bytes for L in Ls) / tp, n_moe=sum(L.moe for L in Ls),
+            # MLA's replicated down-projections run on all T gathered tokens on every tp rank (duplicated work); the
+            # router only on this rank's T / tp tokens.
+            linear_flops=6 * sum((L.active_split + L.router) / tp + L.active_whole - L.router for L in Ls)
             + (6 * a.vocab_size * a.dim / tp if last else 0),  # the output matmul, tied or not
+            # Whole experts on T / tp tokens (SP): 1/tp of the expert work per rank. Without SP every tp rank would
+            # run them on all T tokens (x tp); the planner's tp plans are SP plans, as the engine's default.
             expert_flops=6 * sum(L.active_experts for L in Ls) / tp,
             attn_flops=sum(L.attn_flops for L in Ls) / tp / 2,
             elem_bytes=sum(noac),
@@ -296,16 +324,17 @@ def hot_ranks(shares: tuple[RankShare, ...]) -> tuple[int, ...]:
 
 # ---- model states --------------------------------------------------------------------------------------------------
 def _state_elems(share: RankShare, plan: Plan) -> float:
-    """Params this rank owns after FSDP: dense over dp_shard; experts over ep, then over dp_shard/ep."""
+    """Params this rank owns after FSDP: dense over dp_shard; experts (all of them on every tp rank) over ep, then
+    over dp_shard/ep."""
     return share.dense / plan.dp_shard + share.experts / plan.dp_shard
 
 
 def model_state_bytes(args: ModelArgs, plan: Plan, stage: int | None = None, seq_len: int | None = None) -> dict:
     """Bytes of fp32 params, fp32 grads and AdamW moments one rank owns (sharded, wherever they live), for pp rank
-    `stage` (default: the largest). Closed form: 4/4/8 B x (params on this tp/pp rank) / dp_shard, experts divided
-    by ep*tp first (ep*(dp_shard/ep) = dp_shard); DDP is dp_shard = 1. FSDP2's dim-0 chunking makes ranks differ by
-    at most one row per parameter; this is the mean. `seq_len` only moves pipeline-stage boundaries (they balance
-    FLOPs, attention's included)."""
+    `stage` (default: the largest). Closed form: 4/4/8 B x (params on this tp/pp rank) / dp_shard, where routed
+    experts are whole on every tp rank (replicated over tp) and divided by ep first (ep*(dp_shard/ep) = dp_shard);
+    DDP is dp_shard = 1. FSDP2's dim-0 chunking makes ranks differ by at most one row per parameter; this is the
+    mean. `seq_len` only moves pipeline-stage boundaries (they balance FLOPs, attention's included)."""
     t = model_terms(args, seq_len or args.max_seq_len)
     shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
     elems = [_state_elems(s, plan) for s in shares]
@@ -323,7 +352,8 @@ class Memory:
     total: float  # bytes at the peak on the worst GPU
     host_per_node: float  # bytes of host memory the node's ranks need (CPU offload), 0 otherwise
     worst_rank: int  # pp rank with the peak
-    phase: str = "loss"  # when the peak happens: loss, backward (its start), end_of_backward, optimizer_step
+    phase: str = "loss"  # when the peak happens: loss, backward (its start), end_of_backward, tp_grad_reduce,
+    # optimizer_step
 
 
 def is_ddp(plan: Plan) -> bool:
@@ -378,7 +408,10 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             acts += tokens * (_norm(a.dim) / tp + BF16 * a.dim)  # final norm, gathered head input
             logits = tokens * a.vocab_size / tp  # vocab-parallel loss
         dispatch = dispatch_factor * s.dispatch_max  # all-to-all send + receive buffers of one MoE layer
-        # Four moments can hold the peak. Grads exist before the last micro-batch's backward only when accumulating
+        # reduce_tp_grads concatenates this rank's (dp-sharded) fp32 grads of the tp-replicated params into one flat
+        # buffer for its all-reduce, after backward (every block resharded by then).
+        tp_flat = FP32 * s.tp_partial / plan.dp_shard * on_gpu
+        # Five moments can hold the peak. Grads exist before the last micro-batch's backward only when accumulating
         # (m > 1): zero_grad(set_to_none=True) frees them every step.
         acc = grads if m > 1 else 0.0
         base = params + optim + comm
@@ -388,22 +421,24 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             # early backward: a block rematerialized, its grads being reduced, the logits' fp32 + bf16 grads
             "backward": base + acc + bf16 + acts + recompute + unreduced + LOGIT_GRAD_BYTES * logits + dispatch,
             "end_of_backward": base + grads + bf16 + unreduced,
+            "tp_grad_reduce": base + grads + tp_flat,
             "optimizer_step": base + grads + OPTIM_TEMP_BYTES * owned * on_gpu,
         }
         phase = max(moments, key=moments.__getitem__)
         if worst is None or moments[phase] > worst[0]:
             worst = (moments[phase], r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute,
-                                                 logits, dispatch, comm, owned))
+                                                 logits, dispatch, comm, owned, tp_flat))
     peak, r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute, logits, dispatch, comm,
-                     owned) = worst
+                     owned, tp_flat) = worst
     during = phase in ("loss", "backward")  # activations alive
     items = {
         "parameters": params, "gradients": acc if during else grads, "optimizer_states": optim,
-        "bf16_params": bf16 if phase != "optimizer_step" else 0.0,
+        "bf16_params": bf16 if phase not in ("tp_grad_reduce", "optimizer_step") else 0.0,
         "unreduced_grads": unreduced if phase in ("backward", "end_of_backward") else 0.0,
         "activations": acts if during else 0.0, "recompute": recompute if phase == "backward" else 0.0,
         "logits_loss": (LOSS_BYTES_PER_LOGIT if phase == "loss" else LOGIT_GRAD_BYTES) * logits if during else 0.0,
         "moe_dispatch": dispatch if during else 0.0, "comm_buffers": comm,
+        "tp_grad_buffer": tp_flat if phase == "tp_grad_reduce" else 0.0,
         "optimizer_step_temp": OPTIM_TEMP_BYTES * owned * on_gpu if phase == "optimizer_step" else 0.0,
         "cuda_context": CUDA_CONTEXT, "allocator_overhead": ALLOCATOR_BASE + ALLOCATOR_FRACTION * peak,
     }

@@ -126,8 +126,8 @@ def _mesh(plan: Plan) -> dict:
     return {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp, "pp": plan.pp, "ep": plan.ep}
 
 
-def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int,
-                  gbs: int) -> tuple[Evaluated | None, Evaluated | None, int]:
+def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: int,
+                  offload_ok: bool = True) -> tuple[Evaluated | None, Evaluated | None, int]:
     """(fastest fitting variant, closest non-fitting variant, variants priced) of one mesh. The closest miss's
     reason also says why the same mesh fails without offload, when offload was the closest."""
     local = gbs // base.dp
@@ -141,7 +141,7 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int,
     best = None
     closest: dict[bool, Evaluated] = {}
     n = 0
-    for offload in (False, True) if not is_ddp(base) else (False,):  # the engine offloads with FSDP2 only
+    for offload in (False, True) if offload_ok and not is_ddp(base) else (False,):  # FSDP2 offloads, DDP can't
         for schedule, v in _schedules(args, base.pp):
             for mbs in mbs_options:
                 m = local // mbs
@@ -175,8 +175,9 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int,
     return best, miss, n
 
 
-# The dimensions `paraseek train` runs today (tp and ep not together yet). Pipeline parallelism is modelled here
-# already; plans that use it are predictions only until the engine has it (the model-parallelism issue).
+# The dimensions `paraseek train` runs today (tp and ep not together yet; tp with FSDP2 only, without CPU offload).
+# Pipeline parallelism is modelled here already; plans that use it are predictions only until the engine has it
+# (the model-parallelism issue).
 ENGINE_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "ep"})
 
 
@@ -224,15 +225,15 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                     unrunnable = [d for d, n in (("tp", tp), ("pp", pp), ("ep", ep)) if n > 1 and d not in ENGINE_DIMS]
                     if tp > 1 and ep > 1:
                         unrunnable.append("tp x ep")
-                    if tp > 1 and moe:
-                        # The engine keeps routed experts tp-replicated (each tp rank routes its own tokens); this
-                        # memory model splits them over tp. Until the two agree, don't run such a plan.
-                        unrunnable.append("tp on a MoE model")
+                    if tp > 1 and is_ddp(base):
+                        unrunnable.append("tp x DDP")  # the engine composes tp with FSDP2 (--dp-shard) only
                     if engine_only and unrunnable:
                         reject(f"{'/'.join(unrunnable)} not in paraseek train yet (see all plans with --all-dims)",
                                **_mesh(base))
                         continue
-                    best, closest, n = _best_of_mesh(args, c, base, seq_len, global_batch_size)
+                    # the engine has no CPU offload with tp
+                    best, closest, n = _best_of_mesh(args, c, base, seq_len, global_batch_size,
+                                                     offload_ok=not (engine_only and tp > 1))
                     res.evaluated += n
                     if best is not None:
                         res.plans.append(best)
