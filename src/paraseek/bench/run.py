@@ -1,9 +1,11 @@
 """Benchmark = the training engine itself on synthetic tokens: warm-up steps, then the median of the measured steps,
-per GPU count for weak scaling (the per-GPU batch stays fixed, the global batch grows with the GPUs)."""
+per GPU count for weak scaling (the per-GPU batch stays fixed, the global batch grows with the GPUs).
+`--calibrate` instead measures the rates the planner prices work at (bench/calibrate.py) into a hardware profile."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,7 +13,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from paraseek.errors import UserError
 
@@ -31,6 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scaling", metavar="N,N,...", help="GPU (process) counts for weak scaling, e.g. 1,2")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="FILE.png", help="with --scaling: throughput and efficiency vs GPUs (matplotlib)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="instead of a run: measure GEMM, attention, grouped-GEMM and memory rates on GPU 0 (and, "
+                   "without --hardware, the links as `paraseek doctor` does) into the profile the planner reads")
+    p.add_argument("--save", metavar="PROFILE.json",
+                   help="with --calibrate: write the profile here (default: add the calibration to --hardware)")
     p.set_defaults(func=run_bench)
 
 
@@ -44,6 +51,24 @@ def _counts(text: str) -> list[int]:
     return sorted(set(counts))
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """--json: stdout carries one document; what runs meanwhile (workers inherit fd 1, NCCL_DEBUG prints to it)
+    writes to stderr instead."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _measure(cfg, warmup: int, workdir: Path, quiet_stdout: bool) -> dict[str, Any]:
     from paraseek.train.launch import prepare, launch
 
@@ -52,17 +77,8 @@ def _measure(cfg, warmup: int, workdir: Path, quiet_stdout: bool) -> dict[str, A
                               run_dir=str(workdir / f"run-{cfg.nproc}"), checkpoint_dir="", export_hf="",
                               tensorboard="")
     cfg, predicted = prepare(cfg, with_prediction=True)
-    if quiet_stdout:  # --json: stdout carries one document; the runs' own lines go to stderr (the workers inherit fd 1)
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    try:
+    with _stdout_to_stderr(quiet_stdout):
         rc = launch(cfg)
-    finally:
-        if quiet_stdout:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
     if rc != 0:
         raise UserError(f"the benchmark run on {cfg.nproc} process(es) failed (its message is above)")
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -88,6 +104,10 @@ def run_bench(ns: argparse.Namespace) -> int:
 
     from paraseek.train.config import from_namespace
 
+    if ns.calibrate:
+        return run_calibrate(ns)
+    if ns.save:
+        raise UserError("--save goes with --calibrate: it names the hardware profile the calibration is written to")
     if ns.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {ns.warmup}")
     base = from_namespace(ns)
@@ -154,3 +174,103 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"plot: {path}", file=sys.stderr)
+
+
+def run_calibrate(ns: argparse.Namespace) -> int:
+    """Measure (calibrate.py), add the section to the profile (--hardware's, or one measured here as the doctor
+    does, which brings the NCCL busbw when there is more than one GPU), write it, and show what was measured."""
+    import torch
+
+    from paraseek.bench.calibrate import calibrate
+    from paraseek.hardware import probe
+    from paraseek.hardware.profile import add_calibration, load_profile, measure_profile, save_profile
+    from paraseek.hardware.specs import spec_for_device_name
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise UserError("--calibrate measures GPUs; no CUDA device is visible")
+    if probe.launched():
+        raise UserError("--calibrate measures one machine by itself: run it without torchrun (for several nodes, "
+                        "run `paraseek doctor --save P.json` under torchrun, then `paraseek bench --calibrate "
+                        "--hardware P.json` on one node)")
+    hardware = getattr(ns, "hardware", None) or None
+    target = ns.save or hardware
+    # Checked before minutes of measuring, not after.
+    if ns.save and not Path(ns.save).resolve().parent.is_dir():
+        raise UserError(f"--save {ns.save}: the folder {Path(ns.save).parent} does not exist")
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    if hardware:
+        base = load_profile(hardware, required=("gpu_name",))
+        mine, theirs = spec_for_device_name(name), spec_for_device_name(str(base["gpu_name"]))
+        if mine and theirs and mine.name != theirs.name:
+            raise UserError(f"--hardware {hardware} describes {base['gpu_name']} GPUs but this machine's GPU is "
+                            f"{name}; calibrate on the machine it describes, or leave out --hardware")
+    with _stdout_to_stderr(ns.json):
+        if not hardware:
+            print("measuring GPUs and links as `paraseek doctor` does ...", file=sys.stderr)
+            base, errors = measure_profile()
+            for e in errors:
+                print(f"warning: {e['what']}: {e['error']}", file=sys.stderr)
+        print(f"calibrating on {name} (GPU {device.index}; CUDA_VISIBLE_DEVICES picks it) ...", file=sys.stderr)
+        section = calibrate(device)
+    profile = add_calibration(base, section)
+    if target:
+        save_profile(target, profile)
+    if ns.json:
+        print(json.dumps({"profile": target, "calibration": section,
+                          "intra_node_busbw_gbps": profile.get("intra_node_busbw_gbps"),
+                          "inter_node_busbw_gbps": profile.get("inter_node_busbw_gbps")}, indent=2))
+        return 0
+    _print_calibration(section, profile)
+    print(f"hardware profile written to {target}; the planner uses it with `paraseek plan --hardware {target}`"
+          if target else "not saved: add --save PROFILE.json to keep it for the planner")
+    return 0
+
+
+def _print_calibration(cal: dict[str, Any], profile: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from paraseek.hardware.specs import spec_for_device_name
+    from paraseek.planner.plan import make_cluster
+
+    best = cal["matmul_tflops"]
+
+    def rate(x: float) -> str:  # CPU test rates are tiny: keep their digits
+        return f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
+
+    table = Table(title=f"calibration: {cal['device']}, torch {cal['torch']}, {cal['dtype']}, median of "
+                        f"{cal['shapes']['reps']}")
+    for col in ("kernel", "shape", "TFLOP/s", "of best"):
+        table.add_column(col, justify="left" if col in ("kernel", "shape") else "right")
+    for r in cal["gemm"]:
+        table.add_row(f"GEMM {r['name']} {r['layout']}", f"{r['m']}x{r['n']}x{r['k']}", rate(r["tflops"]),
+                      f"{r['tflops'] / best:.2f}")
+    table.add_row("GEMM median", "", rate(cal["gemm_median_tflops"]), "")
+    table.add_row("a layer's linears", "time-weighted", rate(cal["linear_tflops"]),
+                  f"{cal['efficiency']['linear']:.2f}")
+    for a in cal["attention"]:
+        table.add_row(f"SDPA causal fwd+bwd {a['name']}", f"B{a['batch']} H{a['heads']} T{a['seq']} "
+                      f"d{a['qk_dim']}/{a['v_dim']}", rate(a["tflops"]), f"{a['ratio']:.2f}")
+    g = cal["grouped"]
+    table.add_row(f"experts fwd+bwd{'' if g['impl'] == 'torch._grouped_mm' else ' (loop)'}",
+                  f"{g['experts']}x{g['dim']}x{g['inter']}, {g['rows_per_expert']} rows", rate(g["tflops"]),
+                  f"{g['ratio']:.2f}")
+    Console().print(table)
+    print(f"HBM copy (read + write): {cal['hbm_gbps']:,.0f} GB/s")
+    # What the planner now uses, against the datasheet defaults it used before.
+    spec = spec_for_device_name(cal["device"])
+    d = make_cluster(spec.name, 1) if spec else None
+    e = cal["efficiency"]
+
+    def was(x: float | None, fmt: str) -> str:
+        return f" (default {x:{fmt}})" if x is not None else ""
+
+    print(f"planner rates: matmul {rate(best)} TFLOP/s{was(d and d.matmul_tflops, '.0f')}, "
+          f"linear {e['linear']:.2f}{was(d and d.eff.linear, '.2f')}, "
+          f"attention {e['attention']:.2f}{was(d and d.eff.attention, '.2f')}, "
+          f"grouped {e['grouped']:.2f}{was(d and d.eff.grouped, '.2f')}, "
+          f"HBM {cal['hbm_gbps']:,.0f} GB/s{was(d and d.hbm_gbps, ',.0f')}")
+    intra, inter = profile.get("intra_node_busbw_gbps"), profile.get("inter_node_busbw_gbps")
+    print("NCCL all_reduce busbw (the doctor's): " + (f"{intra:.0f} GB/s in a node" if intra else "not measured in "
+          "a node (one GPU)") + (f", {inter:.0f} GB/s across nodes" if inter else ""))

@@ -11,6 +11,8 @@ Top-level keys the planner uses (numbers measured on this machine where the doct
 Below them: `gpus` (per-GPU facts, datasheet numbers from specs.py and the measured ones), `measurements`
 (matmul_tflops and hbm_gbps per GPU, p2p_gbps matrices per node, busbw_gbps {collective: {bytes: GB/s}}) and
 `links` (intra/inter-node rates, the topology matrix, NVLink islands and the recommended GPU order per node).
+`paraseek bench --calibrate` adds `calibration` (bench/calibrate.py): rates measured on typical layer shapes that
+the planner prefers to the top-level matmul_tflops / hbm_gbps and to its per-generation efficiency defaults.
 """
 
 from __future__ import annotations
@@ -111,3 +113,26 @@ def load_profile(path: str | Path, required: tuple[str, ...] = REQUIRED) -> dict
         raise UserError(f"hardware profile {p}: missing {', '.join(missing)}; write it again with "
                         f"`paraseek doctor --save {p}`")
     return prof
+
+
+def add_calibration(profile: dict[str, Any], calibration: dict[str, Any]) -> dict[str, Any]:
+    """The profile with `calibration` set (a newer calibration replaces an older one); everything else as it was,
+    so the doctor's link measurements stay."""
+    return {**profile, "calibration": calibration}
+
+
+def save_profile(path: str | Path, profile: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(profile, indent=2) + "\n")
+
+
+def measure_profile(collectives: tuple[str, ...] = ("all_reduce",)) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """This machine's profile as `paraseek doctor --save` makes it (inventory, per-GPU matmul and copy, P2P, and
+    with more than one GPU the NCCL `collectives` in watched processes), and the measurement errors. Only
+    all_reduce by default: it is the one the planner reads."""
+    from paraseek.hardware import probe
+    from paraseek.hardware.doctor import build_document
+    from paraseek.hardware.inventory import collect_node
+
+    nodes = [collect_node(0)]
+    measurements = probe.measure_local(nodes[0], probe.ProbeConfig(collectives=collectives))
+    return build_profile(build_document(nodes, measurements, [])), measurements.get("errors", [])

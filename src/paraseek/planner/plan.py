@@ -55,6 +55,8 @@ class Plan:
 # transformer-shaped GEMMs with their backward; `grouped`: MoE expert GEMMs at many rows per expert (cost.py scales
 # it down for few); `attention`: SDPA forward+backward on the causal half; `hbm`: memory-bound kernels vs datasheet
 # bandwidth (4.26 of 4.8 TB/s copy measured); `busbw`: NCCL ring busbw vs link bandwidth (348 of 450 GB/s on NV18).
+# A profile with a `paraseek bench --calibrate` section replaces matmul (as a rate), linear, grouped and attention
+# with the ones measured on that machine (`calibrated` below).
 @dataclass(frozen=True)
 class Efficiency:
     matmul: float
@@ -150,10 +152,42 @@ def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
     )
 
 
+def _positive(where: str, key: str, value: object, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise UserError(f"{where}: {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def calibrated(c: Cluster, cal: dict, where: str) -> Cluster:
+    """`c` at the rates `paraseek bench --calibrate` measured (the profile's "calibration" section,
+    bench/calibrate.py): matmul_tflops, hbm_gbps and the linear/attention/grouped efficiencies replace the
+    doctor's 8192^3 figure and the per-generation defaults (each one present; missing ones keep them). Link rates
+    are not calibrated here: they stay the doctor's."""
+    if not isinstance(cal, dict):
+        raise UserError(f"{where}: 'calibration' must be an object; run `paraseek bench --calibrate` again")
+    effs = cal.get("efficiency") or {}
+    if not isinstance(effs, dict):
+        raise UserError(f"{where}: 'calibration.efficiency' must be an object")
+    eff = {}
+    for key in ("linear", "attention", "grouped"):
+        value = _positive(where, f"calibration.efficiency.{key}", effs.get(key), getattr(c.eff, key))
+        if value > 1:  # fractions of the measured GEMM ceiling
+            raise UserError(f"{where}: 'calibration.efficiency.{key}' must be at most 1, got {value!r}")
+        eff[key] = value
+    return replace(
+        c,
+        matmul_tflops=_positive(where, "calibration.matmul_tflops", cal.get("matmul_tflops"), c.matmul_tflops),
+        hbm_gbps=_positive(where, "calibration.hbm_gbps", cal.get("hbm_gbps"), c.hbm_gbps),
+        eff=replace(c.eff, **eff),
+    )
+
+
 def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
     """A cluster from a `paraseek doctor --save` profile: keys gpu_name, memory_gib, gpus_per_node, nodes,
     matmul_tflops, hbm_gbps, intra_node_busbw_gbps, inter_node_busbw_gbps (measured; each one present and not
-    null overrides the datasheet default)."""
+    null overrides the datasheet default), then a `calibration` section (`paraseek bench --calibrate`) if any."""
     from paraseek.hardware.profile import load_profile as read_profile
 
     p = Path(path)
@@ -168,14 +202,9 @@ def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
     c = make_cluster(spec.name, total, gpn)
 
     def num(key: str, default: float) -> float:
-        value = prof.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise UserError(f"{p}: {key!r} must be a positive number, got {value!r}")
-        return float(value)
+        return _positive(str(p), key, prof.get(key), default)
 
-    return replace(
+    c = replace(
         c,
         memory_gib=num("memory_gib", c.memory_gib),
         matmul_tflops=num("matmul_tflops", c.matmul_tflops),
@@ -183,3 +212,4 @@ def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
         inter_busbw_gbps=num("inter_node_busbw_gbps", c.inter_busbw_gbps),
         hbm_gbps=num("hbm_gbps", c.hbm_gbps),
     )
+    return calibrated(c, prof["calibration"], str(p)) if prof.get("calibration") is not None else c
