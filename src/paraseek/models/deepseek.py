@@ -392,6 +392,9 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(args.n_layers + k, args) for k in range(args.n_mtp_layers))
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        # Sequence-parallel degree: a pipeline stage without the embedding receives hidden states holding only
+        # T / seq_shards positions under sequence parallelism (set by apply_tensor_parallel).
+        self.seq_shards = 1
 
     def rope_cos_sin(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
@@ -399,10 +402,15 @@ class Transformer(nn.Module):
         return angles_TR.cos() * self.rope_attn_factor, angles_TR.sin() * self.rope_attn_factor
 
     def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits)."""
-        h_BTD = self.embed_tokens(input_ids_BT) if self.embed_tokens is not None else input_ids_BT
+        """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits). A pipeline
+        stage without the embedding takes hidden states [B, T, D] instead of ids, and one without the final norm
+        returns its last block's output."""
+        if self.embed_tokens is not None:
+            h_BTD, seq_len = self.embed_tokens(input_ids_BT), input_ids_BT.shape[1]
+        else:
+            h_BTD, seq_len = input_ids_BT, input_ids_BT.shape[1] * self.seq_shards
         # The length from the input: with sequence parallelism h_BTD holds only this rank's T / tp positions.
-        cos_TR, sin_TR = self.rope_cos_sin(input_ids_BT.shape[1], h_BTD.device)
+        cos_TR, sin_TR = self.rope_cos_sin(seq_len, h_BTD.device)
         cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, cos_TR, sin_TR)
@@ -413,6 +421,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         h_BTD = self.hidden_states(input_ids_BT)
+        if self.norm is None:  # a pipeline stage before the last: its output is the next stage's input
+            return h_BTD
         # Through the lm_head module (same math as F.linear) so that a tensor-parallel plan's hooks on it apply.
         return self.lm_head(h_BTD) if self.lm_head is not None else F.linear(h_BTD, self.embed_tokens.weight)
 

@@ -128,8 +128,10 @@ class _Files:
         return self.handles[path].get_tensor(key)
 
 
-def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] | None = None) -> None:
-    """Stream an HF folder's tensors into `model`'s (allocated) parameters, one tensor at a time."""
+def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] | None = None,
+                    stage: bool = False) -> None:
+    """Stream an HF folder's tensors into `model`'s (allocated) parameters, one tensor at a time. `stage`: the
+    model is a pipeline stage holding part of the layers; the folder's other tensors are skipped."""
     folder = Path(folder)
     cfg = cfg if cfg is not None else read_hf_config(folder)
     files = _tensor_files(folder)
@@ -147,6 +149,8 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         if mapped is None or (key == "lm_head.weight" and args.tie_embeddings):
             continue
         name, expert = mapped
+        if stage and name not in targets:
+            continue
         if name not in targets:
             raise UserError(f"{path.name}: unexpected tensor {key!r}, not part of this {args.model_type} model")
         src = opened.get(path, key)

@@ -16,18 +16,20 @@ from paraseek.models.deepseek import Transformer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_mesh(device_type: str, dp_replicate: int, dp_shard: int, ep: int = 1, tp: int = 1) -> DeviceMesh:
-    """One named mesh. dp_replicate is the outer (slow-link) dimension, dp_shard the inner one, so a node's ranks
-    share a shard group and HSDP reduce-scatters inside the node and all-reduces across nodes. With expert
-    parallelism dp_shard is built as (dp_shard_mod_ep, ep) -- EP groups are `ep` consecutive ranks -- and flattened
-    back into "dp_shard" for FSDP2 (DeviceMesh._flatten: in torch 2.11 and 2.13 alike). tp is the innermost dim,
-    so a tensor-parallel group is `tp` consecutive ranks (one NVLink island)."""
+def build_mesh(device_type: str, dp_replicate: int, dp_shard: int, ep: int = 1, tp: int = 1, pp: int = 1) -> DeviceMesh:
+    """One named mesh. pp is the outermost dimension (stages exchange only activations, point to point: the
+    cheapest traffic crosses the slowest links), then dp_replicate, then dp_shard, so a node's ranks share a shard
+    group and HSDP reduce-scatters inside the node and all-reduces across nodes. With expert parallelism dp_shard
+    is built as (dp_shard_mod_ep, ep) -- EP groups are `ep` consecutive ranks -- and flattened back into "dp_shard"
+    for FSDP2 (DeviceMesh._flatten: in torch 2.11 and 2.13 alike). tp is the innermost dim, so a tensor-parallel
+    group is `tp` consecutive ranks (one NVLink island)."""
     tp_dims = ((tp,), ("tp",)) if tp > 1 else ((), ())
+    pp_dims = ((pp,), ("pp",)) if pp > 1 else ((), ())
     if ep == 1:
-        return init_device_mesh(device_type, (dp_replicate, dp_shard) + tp_dims[0],
-                                mesh_dim_names=("dp_replicate", "dp_shard") + tp_dims[1])
-    mesh = init_device_mesh(device_type, (dp_replicate, dp_shard // ep, ep) + tp_dims[0],
-                            mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep") + tp_dims[1])
+        return init_device_mesh(device_type, pp_dims[0] + (dp_replicate, dp_shard) + tp_dims[0],
+                                mesh_dim_names=pp_dims[1] + ("dp_replicate", "dp_shard") + tp_dims[1])
+    mesh = init_device_mesh(device_type, pp_dims[0] + (dp_replicate, dp_shard // ep, ep) + tp_dims[0],
+                            mesh_dim_names=pp_dims[1] + ("dp_replicate", "dp_shard_mod_ep", "ep") + tp_dims[1])
     mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
     return mesh
 

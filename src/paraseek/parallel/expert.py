@@ -155,11 +155,12 @@ def ep_meshes(mesh: DeviceMesh, ep: int) -> dict[str, DeviceMesh]:
     }
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, stages: ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 gradient norm (and clipping to max_norm if > 0) when gradients live on several meshes: with EP the
     routed experts' are DTensors on (expert_dp, ep), everything else's on the dp mesh, and DTensor ops refuse to
     mix meshes. One norm per mesh, made whole with full_tensor, then combined -- the norm of the whole model on
-    every rank (the same as `train.loop.clip_grad_norm` when there is one mesh)."""
+    every rank (the same as `train.loop.clip_grad_norm` when there is one mesh). `stages`: the pipeline group;
+    each pp rank holds other layers, so the squared norms are summed over it."""
     by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}
     for p in params:
         if p.grad is not None:
@@ -169,6 +170,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if stages is not None:
+        total_sq = total.square()
+        dist.all_reduce(total_sq, group=stages)
+        total = total_sq.sqrt()
     if max_norm > 0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
@@ -183,16 +188,27 @@ class ExpertLoad:
 
     def __init__(self, model: nn.Module):
         self.layers = moe_layers(model)
+        self.n_experts = model.args.n_routed_experts
         self.counts_YE: torch.Tensor | None = None
 
     @torch.no_grad()
-    def observe(self) -> None:
-        counts = torch.stack([m.tokens_per_expert for m in self.layers])
-        self.counts_YE = counts.clone() if self.counts_YE is None else self.counts_YE + counts
+    def observe(self, rows: slice = slice(None), counts: torch.Tensor | None = None) -> None:
+        """Add the last forward's counts of layers[rows], or `counts` taken earlier from `snapshot(rows)` (a
+        pipeline stage observes only its own layers)."""
+        counts = self.snapshot(rows) if counts is None else counts
+        if self.counts_YE is None:
+            self.counts_YE = torch.zeros((len(self.layers), counts.shape[1]), dtype=counts.dtype, device=counts.device)
+        self.counts_YE[rows] += counts
+
+    @torch.no_grad()
+    def snapshot(self, rows: slice = slice(None)) -> torch.Tensor:
+        return torch.stack([m.tokens_per_expert for m in self.layers[rows]])
 
     @torch.no_grad()
     def reduce(self, group: ProcessGroup | None = None) -> torch.Tensor:
         """[Y, E] int64 tokens per expert over the whole step (every dp rank of `group`), and start a new step."""
+        if self.counts_YE is None and not self.layers:  # a pipeline stage without MoE layers
+            return torch.zeros((0, self.n_experts), dtype=torch.int64)
         if self.counts_YE is None:
             raise RuntimeError("ExpertLoad.reduce before any observe()")
         load_YE, self.counts_YE = self.counts_YE, None

@@ -227,6 +227,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         parallelize_module(model.norm, tp_mesh,
                            PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False))
     if sequence_parallel:
+        model.seq_shards = tp
         model.register_forward_pre_hook(_check_seq_len(tp))
 
 

@@ -188,7 +188,7 @@ def model_terms(a: ModelArgs, seq_len: int) -> ModelTerms:
 
 
 # ---- pipeline stages ---------------------------------------------------------------------------------------------
-def _layer_cost(t: ModelTerms, i: int) -> float:
+def layer_cost(t: ModelTerms, i: int) -> float:
     L = t.layers[i]
     cost = 6 * (L.active_split + L.active_whole + L.active_experts) + L.attn_flops
     if i == len(t.layers) - 1:
@@ -200,7 +200,7 @@ def _layer_cost(t: ModelTerms, i: int) -> float:
 def partition(t: ModelTerms, n_chunks: int) -> tuple[tuple[int, int], ...]:
     """Contiguous layer ranges [start, end) for n_chunks model chunks, balancing training FLOPs (the head counts
     on the last chunk, as a cost-balanced split does). Bisection on the max chunk cost with a greedy fill."""
-    costs = [_layer_cost(t, i) for i in range(len(t.layers))]
+    costs = [layer_cost(t, i) for i in range(len(t.layers))]
     n = len(costs)
 
     def fill(limit: float) -> list[int] | None:

@@ -178,7 +178,7 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
 # The dimensions `paraseek train` runs today (tp and ep not together yet; tp with FSDP2 only, without CPU offload).
 # Pipeline parallelism is modelled here already; plans that use it are predictions only until the engine has it
 # (the model-parallelism issue).
-ENGINE_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "ep"})
+ENGINE_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "pp", "ep"})
 
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
@@ -227,13 +227,17 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                         unrunnable.append("tp x ep")
                     if tp > 1 and is_ddp(base):
                         unrunnable.append("tp x DDP")  # the engine composes tp with FSDP2 (--dp-shard) only
+                    if pp > 1 and is_ddp(base):
+                        unrunnable.append("pp x DDP")  # pipelined stages run FSDP2/HSDP, never DDP
+                    if pp > 1 and args.tie_embeddings:
+                        unrunnable.append("pp with tied embeddings")
                     if engine_only and unrunnable:
                         reject(f"{'/'.join(unrunnable)} not in paraseek train yet (see all plans with --all-dims)",
                                **_mesh(base))
                         continue
-                    # the engine has no CPU offload with tp
+                    # the engine has no CPU offload with tp or pp
                     best, closest, n = _best_of_mesh(args, c, base, seq_len, global_batch_size,
-                                                     offload_ok=not (engine_only and tp > 1))
+                                                     offload_ok=not (engine_only and (tp > 1 or pp > 1)))
                     res.evaluated += n
                     if best is not None:
                         res.plans.append(best)

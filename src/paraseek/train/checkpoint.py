@@ -76,6 +76,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return trainer_state
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on rank 0's CPU (gathered from shards); empty on other ranks."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_model_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0's CPU (gathered from shards); empty on other ranks. With pipeline
+    stages (`pp_group`: this rank's pp group) each stage is gathered whole over its own ranks first, then rank 0's
+    pp group sends the stages to rank 0."""
+    if pp_group is None:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if 0 not in dist.get_process_group_ranks(pp_group):
+        return {}
+    stage = {k: v.cpu() for k, v in stage.items()}
+    stages: list | None = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(stage, stages, dst=0, group=pp_group)
+    return {k: v for sd in stages for k, v in sd.items()} if stages else {}

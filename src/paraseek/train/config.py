@@ -27,6 +27,9 @@ class TrainConfig:
     dp_shard: int = -1  # FSDP2 sharding degree; -1 = whatever the world size leaves
     tp: int = 1  # tensor parallel (innermost mesh dim: keep it inside a node's NVLink island)
     sequence_parallel: bool = True  # with tp: norms and residuals sharded over the sequence
+    pp: int = 1  # pipeline parallel: stages cut by the planner's cost model (outermost mesh dim)
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
+    pp_virtual_stages: int = 0  # stages per pp rank; 0 = 1 for GPipe/1F1B, 2 for the interleaved schedules
     ep: int = 1  # expert parallel: routed experts sharded over ep consecutive ranks of dp_shard (all-to-all dispatch)
     moe_bias_gamma: float = -1.0  # V3's aux-loss-free balancing rate; -1 = 0.001 for noaux_tc models, else off
     moe_aux_loss_alpha: float = -1.0  # balance loss weight; -1 = the model's (V2: aux_loss_alpha; V3: off), 0 = off
@@ -68,6 +71,10 @@ class TrainConfig:
         return self.nproc * self.nnodes
 
     @property
+    def n_stages(self) -> int:
+        return self.pp * self.pp_virtual_stages
+
+    @property
     def dp_size(self) -> int:  # data-parallel ranks (tp ranks of one dp rank share its batch)
         return self.dp_replicate * self.dp_shard
 
@@ -87,6 +94,10 @@ _CHOICES = {
 _HELP = {
     "tp": "tensor-parallel degree (attention heads, MLP width, vocabulary); innermost, inside a node",
     "sequence_parallel": "with --tp: shard norms/residual activations over the sequence (default true)",
+    "pp": "pipeline-parallel degree: stages cut by the planner's per-layer cost, outermost (across nodes)",
+    "pp_schedule": "torch.distributed.pipelining schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
+                   "InterleavedZeroBubble or ZBVZeroBubble",
+    "pp_virtual_stages": "stages per pp rank (0: 1 for GPipe/1F1B, 2 for the interleaved schedules)",
     "ep": "expert-parallel degree: routed experts sharded over ep ranks borrowed from --dp-shard",
     "moe_bias_gamma": "DeepSeek-V3 balancing: bias += gamma * sign(mean load - load) after each step "
                       "(-1: 0.001 for noaux_tc models)",
@@ -161,8 +172,13 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
         cfg.nproc = gpu_count if cfg.device == "cuda" else 4
     if not cfg.run_dir:
         cfg.run_dir = str(Path(cfg.metrics_jsonl).parent) if cfg.metrics_jsonl else "runs/last"
-    if cfg.dp_shard == -1 and cfg.dp_replicate > 0 and cfg.tp > 0 and cfg.world_size % (cfg.dp_replicate * cfg.tp) == 0:
-        cfg.dp_shard = cfg.world_size // (cfg.dp_replicate * cfg.tp)
+    other = cfg.dp_replicate * cfg.tp * cfg.pp
+    if cfg.dp_shard == -1 and other > 0 and cfg.world_size % other == 0:
+        cfg.dp_shard = cfg.world_size // other
+    if cfg.pp_virtual_stages == 0:
+        from paraseek.parallel.pipeline import default_virtual_stages
+
+        cfg.pp_virtual_stages = default_virtual_stages(cfg.pp_schedule)
     return cfg
 
 
@@ -175,14 +191,19 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
     for name in ("nproc", "nnodes", "steps", "seq_len", "global_batch_size", "micro_batch_size", "dp_replicate", "dp_shard"):
         if getattr(cfg, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if cfg.tp <= 0:
-        raise UserError(f"--tp must be positive, got {cfg.tp}")
-    if cfg.dp_replicate * cfg.dp_shard * cfg.tp != cfg.world_size:
+    for name in ("tp", "pp"):
+        if getattr(cfg, name) <= 0:
+            raise UserError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    if cfg.pp * cfg.dp_replicate * cfg.dp_shard * cfg.tp != cfg.world_size:
         raise UserError(
-            f"--dp-replicate {cfg.dp_replicate} x --dp-shard {cfg.dp_shard} x --tp {cfg.tp} = "
-            f"{cfg.dp_replicate * cfg.dp_shard * cfg.tp}, but the world size is {cfg.world_size} "
-            f"({cfg.nnodes} node(s) x {cfg.nproc} processes)"
+            f"{f'--pp {cfg.pp} x ' if cfg.pp > 1 else ''}--dp-replicate {cfg.dp_replicate} x --dp-shard "
+            f"{cfg.dp_shard} x --tp {cfg.tp} = {cfg.pp * cfg.dp_replicate * cfg.dp_shard * cfg.tp}, but the world "
+            f"size is {cfg.world_size} ({cfg.nnodes} node(s) x {cfg.nproc} processes)"
         )
+    if cfg.pp > 1:
+        for flag, bad in (("--cpu-offload", cfg.cpu_offload), ("--grad-compression", cfg.grad_compression != "none")):
+            if bad:
+                raise UserError(f"--pp with {flag} is not supported yet")
     if cfg.tp > 1 and cfg.dp_shard == 1 and cfg.dp_replicate > 1:
         raise UserError("--tp composes with FSDP2 (--dp-shard), not with DDP; use --dp-shard instead of --dp-replicate")
     if cfg.tp > 1 and cfg.ep > 1:

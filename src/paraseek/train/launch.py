@@ -61,12 +61,16 @@ def _predict(cfg: TrainConfig) -> dict | None:
     from paraseek.hardware.specs import spec_for_device_name
     from paraseek.models import resolve_model
     from paraseek.planner import Plan, evaluate, make_cluster
+    from paraseek.planner.plan import PP_SCHEDULES
 
     spec = spec_for_device_name(torch.cuda.get_device_name(0))
     if spec is None:
         return None
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
-    plan = Plan(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep,
+    if cfg.pp > 1 and cfg.pp_schedule not in PP_SCHEDULES:
+        return None  # a schedule the planner does not price
+    pp_kw = dict(pp=cfg.pp, pp_schedule=cfg.pp_schedule, pp_virtual_stages=cfg.pp_virtual_stages) if cfg.pp > 1 else {}
+    plan = Plan(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, **pp_kw,
                 micro_batch_size=cfg.micro_batch_size, activation_checkpointing=cfg.activation_checkpointing,
                 cpu_offload=cfg.cpu_offload, reshard_after_forward=cfg.reshard_after_forward)
     ev = evaluate(args, make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc), plan, cfg.seq_len,
@@ -97,12 +101,15 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
         cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
     best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size)
     p = best.plan
+    pp_kw = dict(pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages) if p.pp > 1 else {}
     cfg = dataclasses.replace(
-        cfg, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, micro_batch_size=p.micro_batch_size,
-        activation_checkpointing=p.activation_checkpointing, cpu_offload=p.cpu_offload,
-        reshard_after_forward=p.reshard_after_forward,
+        cfg, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, **pp_kw,
+        micro_batch_size=p.micro_batch_size, activation_checkpointing=p.activation_checkpointing,
+        cpu_offload=p.cpu_offload, reshard_after_forward=p.reshard_after_forward,
     )
-    print(f"plan auto: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} micro-batch {p.micro_batch_size} "
+    degrees = "".join(f" {k}={v}" for k, v in (("tp", p.tp), ("ep", p.ep)) if v > 1)
+    degrees += f" pp={p.pp} {p.pp_schedule} x{p.pp_virtual_stages}" if p.pp > 1 else ""
+    print(f"plan auto: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard}{degrees} micro-batch {p.micro_batch_size} "
           f"AC {p.activation_checkpointing}{' cpu-offload' if p.cpu_offload else ''}"
           f"{'' if p.reshard_after_forward else ' reshard-after-forward=false'} | predicted "
           f"{best.memory.total / 2**30:.1f} GiB/GPU, {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {best.mfu * 100:.1f}%",
@@ -121,6 +128,10 @@ def _check_model_and_data(cfg: TrainConfig) -> None:
         from paraseek.parallel.tensor import check_tensor_parallel
 
         check_tensor_parallel(args, cfg.tp)
+    if cfg.pp > 1:
+        from paraseek.parallel.pipeline import check_pipeline
+
+        check_pipeline(args, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule, cfg.grad_accum_steps)
     if cfg.ep > 1 and (not args.n_routed_experts or args.n_routed_experts % cfg.ep):
         raise UserError(f"--ep {cfg.ep}: the model has {args.n_routed_experts} routed experts; ep must divide them")
     if cfg.data != "synthetic":

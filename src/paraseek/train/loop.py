@@ -43,6 +43,7 @@ from paraseek.parallel.expert import (
     ExpertLoad, apply_expert_parallel, clip_grad_norm, enable_balance_loss, ep_meshes, load_stats, moe_layers,
     update_routing_bias,
 )
+from paraseek.parallel.pipeline import Pipeline, build_stage, describe, rank_stages, stage_specs, whole_model_view
 from paraseek.train.checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader, open_dataset
@@ -140,45 +141,59 @@ def _memory_metrics(device: torch.device) -> dict:
 def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
-    mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard, cfg.ep, cfg.tp)
+    mesh = build_mesh(device.type, cfg.dp_replicate, cfg.dp_shard, cfg.ep, cfg.tp, cfg.pp)
     shard_rank = mesh["dp_shard"].get_local_rank()
     dp_rank = mesh["dp_replicate"].get_local_rank() * cfg.dp_shard + shard_rank
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
-    use_ddp = cfg.dp_replicate > 1 and cfg.dp_shard == 1
+    use_ddp = cfg.dp_replicate > 1 and cfg.dp_shard == 1 and cfg.pp == 1
 
     dataset = open_dataset(cfg.data, seq_len=cfg.seq_len, vocab_size=args.vocab_size, tokenizer=cfg.tokenizer or None,
                            seed=cfg.seed)
     loader = DataLoader(dataset, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
                         dp_rank=dp_rank, dp_size=cfg.dp_size)
 
-    # meta -> parallelize -> materialize -> init or load (no rank ever holds the whole model)
-    with torch.device("meta"):
-        model = Transformer(args)
-    if cfg.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel)
-    meshes = ep_meshes(mesh, cfg.ep) if cfg.ep > 1 else {}
-    if meshes:
-        apply_expert_parallel(model, meshes["ep"])
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    if cfg.compile:
-        apply_compile(model)
-    if not use_ddp:
-        apply_fsdp(model, mesh, cfg.precision, cfg.reshard_after_forward, cfg.cpu_offload, meshes.get("expert_dp"))
-    model.to_empty(device="cpu" if cfg.cpu_offload else device)
-    if cfg.init_from:
-        load_state_into(model, cfg.init_from)
-        model.init_buffers(device)
+    # meta -> (pipeline stages) -> parallelize -> materialize -> init or load (no rank ever holds the whole model)
+    if cfg.pp > 1:
+        specs = stage_specs(args, cfg.seq_len, cfg.n_stages)
+        stage_ids = rank_stages(mesh["pp"].get_local_rank(), cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
+        parts = [build_stage(args, specs[sid]) for sid in stage_ids]
     else:
-        # Shards differ, replicas agree: seed by the shard coordinate.
-        if cfg.tp > 1:  # tp shards drawn apart, tp-replicated weights equal (see init_weights_tp)
-            init_weights_tp(model, mesh["tp"], cfg.seed + shard_rank, device)
+        stage_ids = [0]
+        with torch.device("meta"):
+            parts = [Transformer(args)]
+    meshes = ep_meshes(mesh, cfg.ep) if cfg.ep > 1 else {}
+    for sid, part in zip(stage_ids, parts):
+        if cfg.tp > 1:
+            apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel)
+        if meshes:
+            apply_expert_parallel(part, meshes["ep"])
+        apply_activation_checkpointing(part, cfg.activation_checkpointing)
+        if cfg.compile:
+            apply_compile(part)
+        if not use_ddp:
+            # Pipelining runs several micro-batches through a stage before their backward: resharding after each
+            # forward would all-gather the stage's parameters once per micro-batch (TorchTitan keeps them too).
+            apply_fsdp(part, mesh, cfg.precision, cfg.reshard_after_forward and cfg.pp == 1, cfg.cpu_offload,
+                       meshes.get("expert_dp"))
+        part.to_empty(device="cpu" if cfg.cpu_offload else device)
+        if cfg.init_from:
+            load_state_into(part, cfg.init_from, stage=cfg.pp > 1)
+            part.init_buffers(device)
         else:
-            torch.manual_seed(cfg.seed + shard_rank)
-            model.init_weights(device=device)
+            # Shards differ, replicas agree: seed by the shard coordinate (and the stage).
+            seed = cfg.seed + shard_rank + 1000 * sid
+            if cfg.tp > 1:  # tp shards drawn apart, tp-replicated weights equal (see init_weights_tp)
+                init_weights_tp(part, mesh["tp"], seed, device)
+            else:
+                torch.manual_seed(seed)
+                part.init_weights(device=device)
     torch.manual_seed(cfg.seed)
-    inner = model
+    # `inner`: the model as named parameters (checkpoints, telemetry); `model`: what runs forward without pp.
+    inner = model = parts[0] if cfg.pp == 1 else whole_model_view(args, parts)
     if use_ddp:
         model = apply_ddp(model, mesh, device, cfg.grad_compression)
+    # Ranks holding the same stages (pp == 1: everyone): the expert-load sums run over them.
+    stage_group = _stage_group(cfg.pp) if cfg.pp > 1 else None
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
@@ -190,7 +205,18 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                 if use_ddp and cfg.precision != "fp32" else nullcontext())
 
     # MoE: load telemetry every step, V3's bias balancing, the optional balance loss.
-    expert_load = ExpertLoad(inner) if moe_layers(inner) else None
+    expert_load = ExpertLoad(inner) if args.n_routed_experts else None  # also on a stage without MoE layers
+    stage_counts: dict[int, list] = {}  # pp: stage -> (rows, counts) of each forward in this step
+    if expert_load is not None and cfg.pp > 1:
+        # A stage's forward runs inside the schedule: snapshot each stage's routing right after its forward (the
+        # root module's forward is never recomputed by activation checkpointing). On the first step torch's
+        # PipelineStage may run one extra forward + backward of a micro-batch to infer the shapes it exchanges;
+        # the step keeps each stage's last n_microbatches snapshots, which are the real ones.
+        for sid, part in zip(stage_ids, parts):
+            rows = [i for i, m in enumerate(expert_load.layers) if any(m is x for x in moe_layers(part))]
+            if rows:
+                part.register_forward_hook(lambda *_, sid=sid, rows=slice(rows[0], rows[-1] + 1): stage_counts
+                                           .setdefault(sid, []).append((rows, expert_load.snapshot(rows))))
     gamma = cfg.moe_bias_gamma if cfg.moe_bias_gamma >= 0 else (0.001 if args.topk_method == "noaux_tc" else 0.0)
     if expert_load is not None:
         alpha = None if cfg.moe_aux_loss_alpha < 0 else cfg.moe_aux_loss_alpha
@@ -223,13 +249,26 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                            unit="gpu" if device.type == "cuda" else "rank")
     if is_main:
         plan = "DDP" if use_ddp else ("HSDP" if cfg.dp_replicate > 1 else "FSDP2")
+        pp_text = (f" | pp={cfg.pp} {cfg.pp_schedule}"
+                   f"{f' x {cfg.pp_virtual_stages} stages/rank' if cfg.pp_virtual_stages > 1 else ''}" if cfg.pp > 1 else "")
         print(f"paraseek train: {cfg.init_from or cfg.model} ({counts.total / 1e6:,.1f} M params, {counts.active / 1e6:,.1f} M active) | "
               f"{world} x {device.type} | {plan} dp_replicate={cfg.dp_replicate} dp_shard={cfg.dp_shard} | "
               f"{cfg.precision} | global batch {cfg.global_batch_size} x {cfg.seq_len} tokens "
               f"(micro {cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}) | AC {cfg.activation_checkpointing}"
               f"{f' | ep={cfg.ep}' if cfg.ep > 1 else ''}"
               f"{f' | tp={cfg.tp}' + (' +SP' if cfg.sequence_parallel else '') if cfg.tp > 1 else ''}"
-              f"{' | compile' if cfg.compile else ''}", flush=True)
+              f"{pp_text}{' | compile' if cfg.compile else ''}", flush=True)
+        if cfg.pp > 1:
+            print(describe(specs, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule), flush=True)
+    pipe = None
+    if cfg.pp > 1:
+        current = {"step": 0}
+
+        def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return faults.loss_hook(current["step"], tp_loss(logits, labels) / tokens_per_rank_step)
+
+        pipe = Pipeline(parts, specs, stage_ids, cfg.pp_schedule, cfg.grad_accum_steps, pipeline_loss, device,
+                        mesh["pp"].get_group())
 
     faults = FaultInjector(cfg.inject_fault, rank)
     health, stragglers, hosts = HealthMonitor(), StragglerDetector(world), gather_hosts()
@@ -249,6 +288,18 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
         recorder.mark(step, "before_step")
         ready_s = time.perf_counter() - t0
         loss_sum = torch.zeros((), device=device)
+        if pipe is not None:  # the schedule runs every micro-batch's forward and backward
+            current["step"] = step
+            inputs_BT = torch.cat([x for x, _ in micro_batches]).to(device, non_blocking=True)
+            labels_BT = torch.cat([y for _, y in micro_batches]).to(device, non_blocking=True)
+            with loss_context(cfg.tp > 1):
+                for loss in pipe.step(inputs_BT, labels_BT):
+                    loss_sum += local_value(loss).detach()
+            for seen in stage_counts.values():
+                for rows, counts in seen[-cfg.grad_accum_steps:]:
+                    expert_load.observe(rows, counts)
+            stage_counts.clear()
+            micro_batches = []
         for i, (inputs, labels) in enumerate(micro_batches):
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             last = i == len(micro_batches) - 1
@@ -265,9 +316,10 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
             reduce_tp_grads(model)  # the tp-replicated weights (router, experts, MLA's latent path) got partial grads
         if scaler:
             scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(params, cfg.grad_clip)
+        grad_norm = clip_grad_norm(params, cfg.grad_clip, mesh["pp"].get_group() if cfg.pp > 1 else None)
         dist.all_reduce(loss_sum)  # before the update now: --on-anomaly skip must know the loss first
-        loss_value = loss_sum.item() / world  # every tp rank of a dp rank holds the same loss
+        # Every tp rank of a dp rank holds the same loss; only the last pipeline stage holds it.
+        loss_value = loss_sum.item() / (world // cfg.pp)
         norm = grad_norm.item()
         # fp16: an inf grad norm is the scaler's business (it skips the step and lowers the scale), not an anomaly
         events = health.observe(step, loss_value, None if scaler and not math.isfinite(norm) else norm)
@@ -289,8 +341,8 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                 optimizer.step()
         moe_metrics = {}
         if expert_load is not None:
-            load_YE = expert_load.reduce()
-            moe_metrics = load_stats(load_YE)
+            load_YE = expert_load.reduce(stage_group)
+            moe_metrics = load_stats(_all_stages(load_YE, inner, mesh["pp"].get_group()) if cfg.pp > 1 else load_YE)
             if gamma > 0 and action != "skip":
                 update_routing_bias(inner, gamma, load_YE=load_YE)
         if step == start_step + 1:  # where each rank's model state lives, once (the planner's prediction target)
@@ -332,7 +384,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                 print(f"checkpoint: {path}", flush=True)
 
     if cfg.export_hf:
-        state = full_model_state(inner)
+        state = full_model_state(inner, mesh["pp"].get_group() if cfg.pp > 1 else None)
         if is_main:
             save_hf_state(state, args, cfg.export_hf)
             print(f"exported an HF folder to {Path(cfg.export_hf).resolve()}", flush=True)
@@ -348,3 +400,24 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
               f"{losses[-1]:.4f} | median step {median * 1e3:,.0f} ms, {tps_gpu:,.0f} tokens/s/{'gpu' if device.type == 'cuda' else 'rank'}{mfu} | "
               f"peak memory {metrics['mem_peak_gib']:.2f} GiB", flush=True)
     return 0
+
+
+def _stage_group(pp: int) -> dist.ProcessGroup:
+    """This rank's pipeline-stage group: the world / pp consecutive ranks of its pp coordinate (pp is the
+    outermost mesh dim). Every rank creates every group, in the same order, as new_group requires."""
+    world = dist.get_world_size()
+    size = world // pp
+    groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(pp)]
+    return groups[dist.get_rank() // size]
+
+
+def _all_stages(load_YE: torch.Tensor, model: Transformer, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole model's [Y, E] expert loads from each pp rank's rows (its stages' MoE layers): every rank fills
+    its layers' rows of a zero [Y, E] tensor and the pp group sums them."""
+    a = model.args
+    moe_ids = [i for i in range(a.n_layers) if a.is_moe_layer(i)]
+    mine = [moe_ids.index(int(k)) for k, block in model.layers.items() if int(k) in moe_ids]
+    every_YE = torch.zeros((len(moe_ids), a.n_routed_experts), dtype=load_YE.dtype, device=load_YE.device)
+    every_YE[mine] = load_YE
+    dist.all_reduce(every_YE, group=pp_group)
+    return every_YE

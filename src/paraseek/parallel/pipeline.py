@@ -1,0 +1,166 @@
+"""Pipeline parallelism through `torch.distributed.pipelining`: the model is cut into pp x v stages by cost, each
+pp rank builds only its stages (on the meta device, before TP / checkpointing / compile / FSDP2), and one of torch's
+schedules runs the micro-batches.
+
+The cut: `planner.memory.partition` -- the same function the planner prices plans with -- splits the layers into
+contiguous chunks that balance training FLOPs per token (dense and MoE layers, MLA and attention at this sequence
+length, the output head and its loss riding on the last chunk), not layer counts; a DeepSeek-V3 head costs about
+1.5 layers. The embedding computes nothing worth balancing and goes with the first chunk. V3's MTP modules are kept
+(the last stage holds them, so checkpoints keep them) but not trained, so they cost nothing here.
+
+Stage s of rank r: looped schedules give rank r the stages r, r + pp, r + 2pp, ... (`planner.memory.rank_chunks`);
+ZBVZeroBubble gives it r and 2pp - 1 - r (the V shape). Each stage is a `Transformer` that keeps only its layers (the
+ModuleDict keeps the global layer indices, so parameter names -- and checkpoints -- are those of the whole model):
+the first holds the embedding, the last the final norm and head; the others take and return hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from paraseek.errors import UserError
+from paraseek.models.args import ModelArgs
+from paraseek.models.deepseek import Transformer
+
+# torch.distributed.pipelining's names. Single-stage schedules hold one stage per rank, the others v >= 2.
+SINGLE_SCHEDULES = ("GPipe", "1F1B")
+MULTI_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = SINGLE_SCHEDULES + MULTI_SCHEDULES
+
+
+def default_virtual_stages(schedule: str) -> int:
+    return 1 if schedule in SINGLE_SCHEDULES else 2
+
+
+def check_pipeline(args: ModelArgs, pp: int, v: int, schedule: str, n_microbatches: int) -> None:
+    """Raise UserError for a pipeline that cannot run: unknown schedule, stages vs layers, micro-batch counts."""
+    if pp < 1 or v < 1:
+        raise UserError(f"--pp {pp} and --pp-virtual-stages {v} must be positive")
+    if pp == 1:
+        return
+    if schedule not in SCHEDULES:
+        raise UserError(f"--pp-schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if schedule in SINGLE_SCHEDULES and v != 1:
+        raise UserError(f"--pp-schedule {schedule} runs one stage per rank; use --pp-virtual-stages 1 or an "
+                        f"interleaved schedule ({', '.join(MULTI_SCHEDULES)})")
+    if schedule in MULTI_SCHEDULES and v < 2:
+        raise UserError(f"--pp-schedule {schedule} needs --pp-virtual-stages 2 or more")
+    if schedule == "ZBVZeroBubble" and v != 2:
+        raise UserError("--pp-schedule ZBVZeroBubble holds exactly 2 stages per rank (--pp-virtual-stages 2)")
+    if pp * v > args.n_layers:
+        raise UserError(f"--pp {pp} x --pp-virtual-stages {v} = {pp * v} stages, but the model has "
+                        f"{args.n_layers} layers (each stage needs at least one)")
+    if args.tie_embeddings:
+        raise UserError("--pp with tied input/output embeddings is not supported (the first and last stages "
+                        "would share one weight); use --tp or FSDP for this model")
+    if n_microbatches < pp:
+        raise UserError(f"--pp {pp} needs at least {pp} micro-batches per step to fill the pipeline, but "
+                        f"global batch / (micro-batch x data-parallel size) = {n_microbatches}; raise "
+                        "--global-batch-size or lower --micro-batch-size")
+    if schedule in MULTI_SCHEDULES and n_microbatches % pp:
+        raise UserError(f"--pp-schedule {schedule} needs a multiple of --pp {pp} micro-batches per step, got "
+                        f"{n_microbatches}")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    index: int  # 0 .. n_stages - 1, in model order
+    layers: tuple[int, ...]  # global layer indices
+    first: bool
+    last: bool
+    cost: float  # the planner's training FLOPs per token of the stage (head included on the last)
+
+
+def stage_specs(args: ModelArgs, seq_len: int, n_stages: int) -> list[StageSpec]:
+    """The cost-balanced split of the model into `n_stages` contiguous stages (planner.memory.partition)."""
+    from paraseek.planner.memory import layer_cost, model_terms, partition
+
+    t = model_terms(args, seq_len)
+    chunks = partition(t, n_stages)
+    return [StageSpec(index=s, layers=tuple(range(a, b)), first=s == 0, last=s == n_stages - 1,
+                      cost=sum(layer_cost(t, i) for i in range(a, b)))
+            for s, (a, b) in enumerate(chunks)]
+
+
+def rank_stages(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
+    """The stage indices pp rank `pp_rank` holds, in model order (planner.memory.rank_chunks)."""
+    from paraseek.planner.memory import rank_chunks
+
+    return sorted(rank_chunks(pp, v, schedule)[pp_rank])
+
+
+def describe(specs: list[StageSpec], pp: int, v: int, schedule: str) -> str:
+    """The per-stage estimates the split balanced, for the run's header."""
+    mean = sum(s.cost for s in specs) / len(specs)
+    owner = {s: r for r in range(pp) for s in rank_stages(r, pp, v, schedule)}
+    lines = [f"pipeline: {len(specs)} stages on {pp} ranks ({schedule}), cut by the planner's cost per token "
+             f"(mean {mean / 1e9:.3g} GFLOP/token):"]
+    for s in specs:
+        parts = (["embedding"] if s.first else []) + [f"layers {s.layers[0]}-{s.layers[-1]}"] + \
+                (["norm + head + loss"] if s.last else [])
+        lines.append(f"  stage {s.index} (pp rank {owner[s.index]}): {', '.join(parts)}: "
+                     f"{s.cost / 1e9:.3g} GFLOP/token ({s.cost / mean:.2f}x mean)")
+    return "\n".join(lines)
+
+
+def build_stage(args: ModelArgs, spec: StageSpec) -> Transformer:
+    """A meta-device Transformer holding only `spec`'s layers (+ embedding on the first, norm/head/MTP on the last)."""
+    with torch.device("meta"):
+        stage = Transformer(args)
+    keep = {str(i) for i in spec.layers}
+    for key in [k for k in stage.layers if k not in keep]:
+        del stage.layers[key]
+    if not spec.first:
+        stage.embed_tokens = None
+    if not spec.last:
+        stage.norm = None
+        stage.lm_head = None
+        stage.mtp = nn.ModuleList()
+    return stage
+
+
+def whole_model_view(args: ModelArgs, stages: list[Transformer]) -> Transformer:
+    """A Transformer whose submodules are this rank's stages' own modules (shared, not copied): its parameter names
+    are the whole model's, so checkpointing, the optimizer's state dict and the telemetry see one model."""
+    with torch.device("meta"):
+        view = Transformer(args)
+    view.layers = nn.ModuleDict({k: m for st in stages for k, m in st.layers.items()})
+    firsts = [st for st in stages if st.embed_tokens is not None]
+    lasts = [st for st in stages if st.norm is not None]
+    view.embed_tokens = firsts[0].embed_tokens if firsts else None
+    view.norm = lasts[0].norm if lasts else None
+    view.lm_head = lasts[0].lm_head if lasts else None
+    view.mtp = lasts[0].mtp if lasts else nn.ModuleList()
+    return view
+
+
+class Pipeline:
+    """This rank's stages and torch's schedule; `step(inputs, labels)` runs forward and backward of every
+    micro-batch and returns the losses the last stage computed (an empty list on other ranks)."""
+
+    def __init__(self, stages: list[Transformer], specs: list[StageSpec], stage_ids: list[int], schedule: str,
+                 n_microbatches: int, loss_fn, device: torch.device, group: dist.ProcessGroup):
+        n = len(specs)
+        self.has_first, self.has_last = 0 in stage_ids, n - 1 in stage_ids
+        pipe_stages = [PipelineStage(st, sid, n, device, group=group) for st, sid in zip(stages, stage_ids)]
+        cls = get_schedule_class(schedule)
+        # scale_grads=False: the loss is already normalized by the tokens per rank and step (see train.loop).
+        if issubclass(cls, PipelineScheduleSingle):
+            self.schedule = cls(pipe_stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = cls(pipe_stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def step(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor) -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        args = (inputs_BT,) if self.has_first else ()
+        if self.has_last:
+            self.schedule.step(*args, target=labels_BT, losses=losses)
+        else:
+            self.schedule.step(*args)
+        return losses
