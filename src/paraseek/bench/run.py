@@ -88,7 +88,8 @@ def _measure(cfg, warmup: int, workdir: Path, quiet_stdout: bool) -> dict[str, A
     return {
         "gpus": cfg.world_size, "model": cfg.init_from or cfg.model, "seq_len": cfg.seq_len,
         "global_batch_size": cfg.global_batch_size, "micro_batch_size": cfg.micro_batch_size,
-        "dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "ep": cfg.ep,
+        "dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp, "ep": cfg.ep, "pp": cfg.pp,
+        "pp_schedule": cfg.pp_schedule if cfg.pp > 1 else "none",
         "activation_checkpointing": cfg.activation_checkpointing, "compile": cfg.compile, "precision": cfg.precision,
         "measured_steps": len(steps),
         "step_time_s": median(r["step_time_s"] for r in steps),

@@ -42,6 +42,15 @@ GROUPED_HALF_ROWS = 450  # rows per expert at which grouped GEMMs reach half the
 TP_GRAD_COPY_TRAFFIC = 4.0
 PP_ACTION_OVERHEAD_S = 0.5e-3  # per forward or backward of a chunk: the schedule's p2p waits and Python dispatch
 ZB_BUBBLE_SHARE = 1 / 3  # zero-bubble V keeps a third of an interleaved(v=2) bubble (imperfect W filling)
+# Host (CPU) seconds per block per micro-batch, forward + backward, of eager PyTorch: Python, the dispatcher and
+# ~100-300 kernel launches per block. The GPU only runs ahead while the host launches faster than it computes; with
+# few tokens per micro-batch, MoE routing, DTensor's per-op dispatch under TP or selective checkpointing's Python
+# policy on every op, the host sets the pace. Fitted to the 14 eager 2x H200 runs of 2026-11-30 (BENCHMARKS.md).
+HOST_BLOCK_S = {"dense": 8.6e-3, "moe": 19.4e-3}
+HOST_FSDP_BLOCK_S = 2.4e-3  # FSDP2's all-gather / reduce-scatter hooks per block when dp_shard > 1
+HOST_EP_S = 9.6e-3  # per MoE block with EP: split sizes to the host (a sync per all-to-all) and the a2a bookkeeping
+HOST_AC_FACTOR = {"none": 1.0, "full": 4 / 3, "selective": 1.55}
+HOST_TP_FACTOR = 3.66  # DTensor dispatch on every op of a tensor-parallel block
 
 
 @dataclass
@@ -72,6 +81,14 @@ def bubble(plan: Plan) -> float:
     if plan.pp_schedule == "Interleaved1F1B":
         return (pp - 1) / v
     return (pp - 1) / 2 * ZB_BUBBLE_SHARE  # ZBVZeroBubble
+
+
+def host_time(s, plan: Plan) -> float:
+    """Host seconds per micro-batch to launch this pp rank's blocks (eager mode; see HOST_BLOCK_S)."""
+    n_dense = len(s.layers) - s.n_moe
+    per = (n_dense * HOST_BLOCK_S["dense"] + s.n_moe * HOST_BLOCK_S["moe"]) * (HOST_TP_FACTOR if plan.tp > 1 else 1.0)
+    per += s.n_moe * HOST_EP_S * (plan.ep > 1) + len(s.layers) * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
+    return per * HOST_AC_FACTOR[plan.activation_checkpointing]
 
 
 def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> StepTime:
@@ -112,12 +129,15 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
             if ep > 1 else 0.0,
             "pp_p2p": 2 * plan.pp_virtual_stages * (p2p + PP_ACTION_OVERHEAD_S) if plan.pp > 1 else 0.0,
         }
+        # The GPU waits for the host when launching takes longer than computing (eager mode).
+        it["host_bound"] = max(0.0, host_time(s, plan) - sum(it.values()))
         if sum(it.values()) > sum(worst.values()):
             worst = it
     t_mb = sum(worst.values())
     items = {k: v * m for k, v in worst.items()}
-    items["pp_bubble"] = bubble(plan) * t_mb
-    busy = t_mb * (m + bubble(plan))
+    device_mb = t_mb - worst["host_bound"]  # in the bubble the GPU waits for the other stages, not for its host
+    items["pp_bubble"] = bubble(plan) * device_mb
+    busy = t_mb * m + bubble(plan) * device_mb
 
     # FSDP: all-gather bf16 params, reduce-scatter fp32 grads; dense params over dp_shard, experts over dp_shard/ep.
     s = max(shares, key=lambda x: x.dense + x.experts)

@@ -413,14 +413,17 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         tp_flat = FP32 * s.tp_partial / plan.dp_shard * on_gpu
         # Five moments can hold the peak. Grads exist before the last micro-batch's backward only when accumulating
         # (m > 1): zero_grad(set_to_none=True) frees them every step.
-        acc = grads if m > 1 else 0.0
+        # Pipelining accumulates unsharded grads instead (FSDP2 syncs only in the last micro-batch's backward).
+        pipelined = fsdp and plan.pp > 1
+        acc = grads if m > 1 and not pipelined else 0.0
         base = params + optim + comm
         moments = {
             # the loss: every activation in flight, logits in bf16 + fp32 + fp32 log-softmax
             "loss": base + acc + bf16 + acts + LOSS_BYTES_PER_LOGIT * logits + dispatch,
             # early backward: a block rematerialized, its grads being reduced, the logits' fp32 + bf16 grads
             "backward": base + acc + bf16 + acts + recompute + unreduced + LOGIT_GRAD_BYTES * logits + dispatch,
-            "end_of_backward": base + grads + bf16 + unreduced,
+            # pipelined: each block's unsharded grads are freed as its sharded ones are written
+            "end_of_backward": base + bf16 + (max(grads, unreduced) if pipelined else grads + unreduced),
             "tp_grad_reduce": base + grads + tp_flat,
             "optimizer_step": base + grads + OPTIM_TEMP_BYTES * owned * on_gpu,
         }

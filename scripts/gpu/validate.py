@@ -1,0 +1,296 @@
+"""The GPU validation of one session, one command per group, results as one table and one JSON file.
+
+    python scripts/gpu/validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
+
+Groups (each fits one 10-minute device call on 2x H200):
+  loss  real-shaped models (DeepSeek-LLM-7B and DeepSeek-V2-Lite widths, 4 layers) from one saved bf16
+        initialization, 20 steps on the bundled corpus: 1 GPU vs FSDP2, tp=2, pp=2 (dense) and ep=2, pp=2 (MoE);
+        the max relative loss difference to the 1-GPU curve, tokens/s/GPU and peak memory of each.
+  plan  `paraseek bench` of >= 8 (model, plan) runs on 1 and 2 GPUs: 7B FSDP with and without checkpointing at
+        two micro-batch sizes, V2-Lite (14 layers) FSDP and EP=2, 7B tp=2 and pp=2; the planner's prediction
+        beside each measurement, with the errors.
+  llama the anchors' HF + FSDP2 baseline (llama3-8b shape) and paraseek on deepseek-r1-distill-llama-8b.
+  scale 7B weak scaling 1 -> 2 GPUs (same per-GPU batch), and the 16k / 32k sequence runs on 2 GPUs.
+  v2lite the anchors' baseline on the V2-Lite shape (14 layers) and paraseek's best plan on it.
+  llama_zero2  the llama-8b no-AC + compile run with parameters kept gathered from forward to backward.
+  push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
+  holdout  four plans outside the fit of the planner's host-overhead constants (out-of-sample check).
+  profile one profiled step of V2-Lite (14 layers) FSDP and of 7B tp=2: top kernels, CPU ops, host syncs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+MODELS = Path(os.environ.get("VALIDATE_MODELS", "/tmp/validate-models"))  # big folders stay out of --out
+ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
+CORPUS = str(ROOT / "src" / "paraseek" / "assets" / "corpus")
+N = torch.cuda.device_count()
+
+
+def sh(argv: list[str], timeout: int) -> tuple[int, str]:
+    t0 = time.time()
+    try:
+        r = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        rc, text = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    print(f"  [{time.time() - t0:.0f} s, rc {rc}] {' '.join(argv[3:])[:160]}", flush=True)
+    if rc:
+        print("\n".join(text.splitlines()[-8:]), flush=True)
+    return rc, text
+
+
+def folder(name: str, preset: str, layers: int, weights: bool) -> str:
+    """An HF folder of `preset` cut to `layers` layers: config only (random init per run) or with one seeded bf16
+    initialization that every plan loads."""
+    from paraseek.models import build_model, save_pretrained
+    from paraseek.models.args import ModelArgs, preset_config
+
+    path = MODELS / name
+    if (path / "config.json").exists():
+        return str(path)
+    cfg = {**preset_config(preset), "num_hidden_layers": layers}
+    if not weights:
+        path.mkdir(parents=True)
+        (path / "config.json").write_text(json.dumps(cfg, indent=1))
+        return str(path)
+    torch.manual_seed(1234)
+    model = build_model(ModelArgs.from_hf_config(cfg), "cuda", torch.bfloat16)
+    save_pretrained(model, path)
+    del model
+    torch.cuda.empty_cache()
+    return str(path)
+
+
+def train_run(out: Path, name: str, nproc: int, argv: list[str], timeout: int = 240) -> dict:
+    jsonl = out / f"{name}.jsonl"
+    jsonl.unlink(missing_ok=True)
+    rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", str(nproc),
+                   "--metrics-jsonl", str(jsonl), "--log-every", "5", *argv], timeout)
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    steps = [r for r in rows if "event" not in r]
+    tail = steps[2:] or steps
+    tps = sorted(r["tokens_per_s_per_gpu"] for r in tail)
+    return {"name": name, "rc": rc, "gpus": nproc, "losses": [r["loss"] for r in steps],
+            "tokens_per_s_per_gpu": tps[len(tps) // 2] if tps else None,
+            "mem_peak_gib": max((r["mem_peak_gib"] for r in steps), default=None)}
+
+
+def bench_run(name: str, nproc: int, argv: list[str], timeout: int = 300) -> dict:
+    rc, text = sh([sys.executable, "-m", "paraseek", "bench", "--json", "--device", "cuda", "--nproc", str(nproc),
+                   "--warmup", "3", "--steps", "5", *argv], timeout)
+    m = re.search(r'^\{\s*"runs".*', text, re.S | re.M)
+    rows = json.loads(text[m.start():text.rindex("}") + 1])["runs"] if rc == 0 and m else []
+    return {"name": name, "rc": rc, **(rows[-1] if rows else {}), "runs": rows}
+
+
+def baseline(anchors: str, argv: list[str], timeout: int = 300) -> dict:
+    rc, text = sh(["torchrun", "--standalone", f"--nproc_per_node={N}", f"{anchors}/hf_fsdp2_baseline.py", *argv],
+                  timeout)
+    line = next((ln for ln in text.splitlines() if ln.startswith("RESULT")), "")
+    fields = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+    return {"name": "baseline " + " ".join(argv), "rc": rc, "result": line, **fields}
+
+
+def group_loss(out: Path) -> list[dict]:
+    dense = folder("dense4", "deepseek-llm-7b", 4, weights=True)
+    moe = folder("moe4", "deepseek-v2-lite", 4, weights=True)
+    common = ["--data", CORPUS, "--seq-len", "2048", "--global-batch-size", "8", "--micro-batch-size", "1",
+              "--steps", "20", "--lr", "3e-4", "--warmup-steps", "2", "--lr-schedule", "constant"]
+    runs = []
+    for model, plans in ((dense, [("1gpu", 1, []), ("fsdp2", 2, []), ("tp2", 2, ["--tp", "2"]),
+                                  ("pp2", 2, ["--pp", "2", "--pp-schedule", "1F1B"])]),
+                         (moe, [("1gpu", 1, []), ("ep2", 2, ["--ep", "2"]),
+                                ("pp2", 2, ["--pp", "2", "--pp-schedule", "Interleaved1F1B"])])):
+        ref = None
+        for name, n, plan in plans:
+            r = train_run(out, f"{Path(model).name}-{name}", n, ["--init-from", model, *common, *plan])
+            ref = ref or r["losses"]
+            if r["losses"] and ref:
+                r["max_rel_loss_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+            runs.append(r)
+    return runs
+
+
+def group_plan(out: Path) -> list[dict]:
+    v2 = folder("v2lite14", "deepseek-v2-lite", 14, weights=False)
+    seq = ["--seq-len", "4096"]
+    specs = [
+        ("7b fsdp full-AC mbs2", 2, ["--model", "deepseek-llm-7b", "--global-batch-size", "4", "--micro-batch-size", "2",
+                                     "--activation-checkpointing", "full"]),
+        ("7b fsdp selective mbs2", 2, ["--model", "deepseek-llm-7b", "--global-batch-size", "4", "--micro-batch-size",
+                                       "2", "--activation-checkpointing", "selective"]),
+        ("7b fsdp selective mbs1", 2, ["--model", "deepseek-llm-7b", "--global-batch-size", "2", "--micro-batch-size",
+                                       "1", "--activation-checkpointing", "selective"]),
+        ("7b fsdp no-AC mbs1", 2, ["--model", "deepseek-llm-7b", "--global-batch-size", "2", "--micro-batch-size", "1"]),
+        ("7b 1gpu selective mbs2", 1, ["--model", "deepseek-llm-7b", "--global-batch-size", "2", "--micro-batch-size",
+                                       "2", "--activation-checkpointing", "selective"]),
+        ("v2lite14 fsdp selective mbs2", 2, ["--model", v2, "--global-batch-size", "4", "--micro-batch-size", "2",
+                                             "--activation-checkpointing", "selective"]),
+        ("v2lite14 ep2 selective mbs2", 2, ["--model", v2, "--global-batch-size", "4", "--micro-batch-size", "2",
+                                            "--activation-checkpointing", "selective", "--ep", "2"]),
+        ("7b tp2 selective mbs2", 2, ["--model", "deepseek-llm-7b", "--global-batch-size", "2", "--micro-batch-size",
+                                      "2", "--activation-checkpointing", "selective", "--tp", "2"]),
+        ("7b pp2 1F1B selective mbs1", 2, ["--model", "deepseek-llm-7b", "--global-batch-size", "4",
+                                           "--micro-batch-size", "1", "--activation-checkpointing", "selective",
+                                           "--pp", "2"]),
+    ]
+    return [bench_run(name, n, [*seq, *argv]) for name, n, argv in specs]
+
+
+def group_llama(out: Path, anchors: str) -> list[dict]:
+    llama = ["--model", "deepseek-r1-distill-llama-8b", "--seq-len", "4096", "--global-batch-size", str(2 * N),
+             "--micro-batch-size", "2", "--compile"]
+    return [baseline(anchors, ["--model", "llama3-8b", "--seq", "4096", "--mbs", "2", "--ac", "1"]),
+            bench_run("llama-8b selective+compile mbs2", N, [*llama, "--activation-checkpointing", "selective"]),
+            bench_run("llama-8b no-AC+compile mbs2", N, [*llama, "--activation-checkpointing", "none"])]
+
+
+def group_llama_zero2(out: Path) -> list[dict]:
+    llama = ["--model", "deepseek-r1-distill-llama-8b", "--seq-len", "4096", "--global-batch-size", str(2 * N),
+             "--micro-batch-size", "2", "--compile", "--reshard-after-forward", "false"]
+    return [bench_run("llama-8b no-AC+compile mbs2 zero2", N, [*llama, "--activation-checkpointing", "none"])]
+
+
+def group_push(out: Path) -> list[dict]:
+    """Larger micro-batches with parameters kept gathered (llama), ZeRO-2-style weak scaling (7B), and a repeat of
+    the 7B selective mbs1 plan run."""
+    zero2 = ["--compile", "--reshard-after-forward", "false", "--seq-len", "4096"]
+    llama = ["--model", "deepseek-r1-distill-llama-8b", *zero2]
+    return [
+        bench_run("llama-8b no-AC+compile mbs3 zero2", N, [*llama, "--micro-batch-size", "3", "--global-batch-size",
+                                                           str(3 * N), "--activation-checkpointing", "none"]),
+        bench_run("llama-8b selective+compile mbs4 zero2", N, [*llama, "--micro-batch-size", "4",
+                                                               "--global-batch-size", str(4 * N),
+                                                               "--activation-checkpointing", "selective"]),
+        bench_run("7b weak scaling 1,2 selective+compile mbs2 zero2", N,
+                  ["--model", "deepseek-llm-7b", *zero2, "--micro-batch-size", "2", "--global-batch-size", "2",
+                   "--activation-checkpointing", "selective", "--scaling", f"1,{N}"], timeout=420),
+        bench_run("7b fsdp selective mbs1 (repeat)", 2, ["--model", "deepseek-llm-7b", "--seq-len", "4096",
+                                                         "--global-batch-size", "2", "--micro-batch-size", "1",
+                                                         "--activation-checkpointing", "selective"]),
+    ]
+
+
+def group_holdout(out: Path) -> list[dict]:
+    """Plans the planner's host-overhead constants were not fitted on (the fit used the `plan` group)."""
+    v2 = folder("v2lite14", "deepseek-v2-lite", 14, weights=False)
+    seq = ["--seq-len", "4096"]
+    return [
+        bench_run("v2lite14 fsdp no-AC mbs1", 2, [*seq, "--model", v2, "--global-batch-size", "2",
+                                                  "--micro-batch-size", "1"]),
+        bench_run("v2lite14 ep2 full-AC mbs2", 2, [*seq, "--model", v2, "--global-batch-size", "4",
+                                                   "--micro-batch-size", "2", "--activation-checkpointing", "full",
+                                                   "--ep", "2"]),
+        bench_run("7b tp2 full-AC mbs1", 2, [*seq, "--model", "deepseek-llm-7b", "--global-batch-size", "2",
+                                             "--micro-batch-size", "1", "--activation-checkpointing", "full",
+                                             "--tp", "2"]),
+        bench_run("7b pp2 Interleaved1F1B selective mbs2", 2, [*seq, "--model", "deepseek-llm-7b",
+                                                               "--global-batch-size", "4", "--micro-batch-size", "2",
+                                                               "--activation-checkpointing", "selective", "--pp", "2",
+                                                               "--pp-schedule", "Interleaved1F1B"]),
+    ]
+
+
+def group_scale(out: Path) -> list[dict]:
+    seven = ["--model", "deepseek-llm-7b", "--micro-batch-size", "2", "--activation-checkpointing", "selective",
+             "--compile"]
+    runs = [bench_run("7b weak scaling 1,2 selective+compile mbs2", N,
+                      [*seven, "--seq-len", "4096", "--global-batch-size", "2", "--scaling", f"1,{N}"], timeout=420)]
+    for seq in (16384, 32768):
+        runs.append(bench_run(f"7b seq {seq} full-AC mbs1", N, ["--model", "deepseek-llm-7b", "--seq-len", str(seq),
+                                                                "--global-batch-size", str(N), "--micro-batch-size",
+                                                                "1", "--activation-checkpointing", "full"]))
+    return runs
+
+
+def group_v2lite(out: Path, anchors: str) -> list[dict]:
+    v2 = folder("v2lite14", "deepseek-v2-lite", 14, weights=False)
+    base = ["--model", v2, "--seq-len", "4096", "--global-batch-size", str(2 * N), "--micro-batch-size", "2"]
+    return [baseline(anchors, ["--model", "deepseek-v2-lite", "--layers", "14", "--seq", "4096", "--mbs", "2",
+                               "--ac", "1"]),
+            bench_run("v2lite14 fsdp selective mbs2", N, [*base, "--activation-checkpointing", "selective"]),
+            bench_run("v2lite14 fsdp no-AC mbs2", N, [*base, "--activation-checkpointing", "none"])]
+
+
+def trace_digest(path: Path, top: int = 12) -> dict:
+    """Where a profiled step's time went on rank 0: GPU kernels and CPU operators by total time, and the time the
+    host spent blocked in synchronizing CUDA calls (each one drains the launch queue)."""
+    events = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+
+    def total(cat: str) -> list:
+        acc: dict[str, float] = {}
+        for e in events:
+            if e.get("cat") == cat:
+                acc[e["name"][:90]] = acc.get(e["name"][:90], 0.0) + e.get("dur", 0) / 1e3
+        return sorted(acc.items(), key=lambda kv: -kv[1])[:top]
+
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime"
+             and any(k in e["name"] for k in ("Synchronize", "cudaMemcpy"))]
+    return {"kernels_ms": total("kernel"), "cpu_ops_ms": total("cpu_op"),
+            "host_sync_ms": sum(e.get("dur", 0) for e in syncs) / 1e3, "host_sync_calls": len(syncs)}
+
+
+def group_profile(out: Path) -> list[dict]:
+    v2 = folder("v2lite14", "deepseek-v2-lite", 14, weights=False)
+    runs = []
+    for name, n, argv in (("v2lite14 fsdp selective mbs2", N, ["--model", v2, "--micro-batch-size", "2",
+                                                              "--global-batch-size", str(2 * N),
+                                                              "--activation-checkpointing", "selective"]),
+                          ("7b tp2 selective mbs2", N, ["--model", "deepseek-llm-7b", "--micro-batch-size", "2",
+                                                        "--global-batch-size", "2", "--tp", str(N),
+                                                        "--activation-checkpointing", "selective"])):
+        run_dir = out / f"profile-{len(runs)}"
+        r = train_run(out, f"profile-{len(runs)}", n, [*argv, "--seq-len", "4096", "--data", "synthetic", "--steps",
+                                                       "5", "--profile-steps", "4:4", "--run-dir", str(run_dir)])
+        trace = run_dir / "profile" / "rank0.json"
+        r["name"] = name
+        if trace.exists():
+            r["digest"] = trace_digest(trace)
+            print(json.dumps(r["digest"], indent=1), flush=True)
+            trace.unlink()  # hundreds of MB: the digest and the summary stay
+        runs.append(r)
+    return runs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("groups")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/validate"))
+    p.add_argument("--anchors", default=str(ROOT / ".carry"))
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip())
+    print(f"torch {torch.__version__}, {N} GPU(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    results = {}
+    for g in a.groups.split(","):
+        print(f"== {g}", flush=True)
+        fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
+              "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout}.get(g)
+        results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite}[g](out, a.anchors)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    for g, runs in results.items():
+        print(f"== {g} results")
+        for r in runs:
+            keep = {k: r.get(k) for k in ("rc", "gpus", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s",
+                                          "max_rel_loss_diff", "predicted", "weak_scaling_efficiency", "result")
+                    if r.get(k) is not None}
+            print(f"{r['name']}: {json.dumps(keep)}")
+
+
+if __name__ == "__main__":
+    main()
