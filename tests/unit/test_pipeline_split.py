@@ -91,6 +91,15 @@ def test_impossible_pipelines_are_refused(pp, v, schedule, mb, words):
         check_pipeline(args, pp, v, schedule, mb)
 
 
+def test_fp16_and_compiled_zero_bubble_are_refused():
+    args = ModelArgs.from_hf_config({**preset_config("tiny-moe"), "num_hidden_layers": 4})
+    with pytest.raises(UserError, match="fp16"):
+        check_pipeline(args, 2, 1, "1F1B", 4, precision="fp16")
+    with pytest.raises(UserError, match="torch.compile"):
+        check_pipeline(args, 2, 2, "ZBVZeroBubble", 4, compile=True)
+    check_pipeline(args, 2, 2, "Interleaved1F1B", 4, compile=True)  # fine
+
+
 def test_tied_embeddings_are_refused():
     args = ModelArgs.from_hf_config({**preset_config("tiny-dense"), "tie_word_embeddings": True})
     with pytest.raises(UserError, match="tied"):

@@ -403,13 +403,13 @@ class Transformer(nn.Module):
 
     def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits). A pipeline
-        stage without the embedding takes hidden states [B, T, D] instead of ids, and one without the final norm
-        returns its last block's output."""
+        stage without the embedding takes hidden states instead of ids ([B, T / tp, D] under sequence parallelism),
+        and one without the final norm returns its last block's output."""
         if self.embed_tokens is not None:
             h_BTD, seq_len = self.embed_tokens(input_ids_BT), input_ids_BT.shape[1]
         else:
             h_BTD, seq_len = input_ids_BT, input_ids_BT.shape[1] * self.seq_shards
-        # The length from the input: with sequence parallelism h_BTD holds only this rank's T / tp positions.
+        # RoPE over the whole sequence: under sequence parallelism h_BTD holds only this rank's T / tp positions.
         cos_TR, sin_TR = self.rope_cos_sin(seq_len, h_BTD.device)
         cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
         for layer in self.layers.values():

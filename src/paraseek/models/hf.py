@@ -139,6 +139,9 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
     quant = cfg.get("quantization_config") or {}
     block = tuple(quant.get("weight_block_size", (128, 128)))
     targets = dict(model.state_dict())
+    if stage:  # the names of the whole model: a tensor outside it still means the wrong folder
+        with torch.device("meta"):
+            whole = set(Transformer(args).state_dict())
     expected = {(n, e) for n, t in targets.items() for e in (range(t.shape[0]) if ".mlp.experts." in n else [None])}
     filled: set[tuple[str, int | None]] = set()
     opened = _Files()
@@ -149,8 +152,8 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         if mapped is None or (key == "lm_head.weight" and args.tie_embeddings):
             continue
         name, expert = mapped
-        if stage and name not in targets:
-            continue
+        if stage and name in whole and name not in targets:
+            continue  # another pipeline stage's tensor
         if name not in targets:
             raise UserError(f"{path.name}: unexpected tensor {key!r}, not part of this {args.model_type} model")
         src = opened.get(path, key)

@@ -101,6 +101,11 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def routed_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers the forward pass runs: a Transformer's main layers, not V3's MTP modules (kept, not trained)."""
+    return moe_layers(getattr(model, "layers", model))
+
+
 def apply_expert_parallel(model: nn.Module, ep: DeviceMesh | ProcessGroup) -> None:
     """Shard the routed experts of every MoE layer over the EP group `ep` (a 1-D DeviceMesh, or a ProcessGroup).
 
@@ -186,9 +191,10 @@ class ExpertLoad:
     or backward; activation checkpointing's recompute reproduces the same routing, so nothing is counted twice) and,
     by `reduce`, over the data-parallel ranks."""
 
-    def __init__(self, model: nn.Module):
-        self.layers = moe_layers(model)
+    def __init__(self, model: nn.Module, device: torch.device | str = "cpu"):
+        self.layers = routed_layers(model)
         self.n_experts = model.args.n_routed_experts
+        self.device = torch.device(device)  # where a stage without MoE layers makes its empty [0, E] load
         self.counts_YE: torch.Tensor | None = None
 
     @torch.no_grad()
@@ -208,7 +214,7 @@ class ExpertLoad:
     def reduce(self, group: ProcessGroup | None = None) -> torch.Tensor:
         """[Y, E] int64 tokens per expert over the whole step (every dp rank of `group`), and start a new step."""
         if self.counts_YE is None and not self.layers:  # a pipeline stage without MoE layers
-            return torch.zeros((0, self.n_experts), dtype=torch.int64)
+            return torch.zeros((0, self.n_experts), dtype=torch.int64, device=self.device)
         if self.counts_YE is None:
             raise RuntimeError("ExpertLoad.reduce before any observe()")
         load_YE, self.counts_YE = self.counts_YE, None
@@ -242,7 +248,7 @@ def update_routing_bias(model: nn.Module, gamma: float, group: ProcessGroup | No
     last forward's counts are all-reduced over `group` (every data-parallel rank: None = the world). Every rank
     applies the same update to the same fp32 bias, so the biases stay identical. Layers without a bias (V2) are
     skipped. Returns the load used."""
-    layers = moe_layers(model)
+    layers = routed_layers(model)
     if load_YE is None:
         load_YE = torch.stack([m.tokens_per_expert for m in layers])
         if dist.is_initialized() and (group is None or dist.get_world_size(group) > 1):

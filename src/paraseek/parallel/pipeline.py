@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,8 +40,10 @@ def default_virtual_stages(schedule: str) -> int:
     return 1 if schedule in SINGLE_SCHEDULES else 2
 
 
-def check_pipeline(args: ModelArgs, pp: int, v: int, schedule: str, n_microbatches: int) -> None:
-    """Raise UserError for a pipeline that cannot run: unknown schedule, stages vs layers, micro-batch counts."""
+def check_pipeline(args: ModelArgs, pp: int, v: int, schedule: str, n_microbatches: int, *, compile: bool = False,
+                   precision: str = "bf16") -> None:
+    """Raise UserError for a pipeline that cannot run: unknown schedule, stages vs layers, micro-batch counts, and
+    what the engine does not combine with pipelining."""
     if pp < 1 or v < 1:
         raise UserError(f"--pp {pp} and --pp-virtual-stages {v} must be positive")
     if pp == 1:
@@ -53,6 +57,12 @@ def check_pipeline(args: ModelArgs, pp: int, v: int, schedule: str, n_microbatch
         raise UserError(f"--pp-schedule {schedule} needs --pp-virtual-stages 2 or more")
     if schedule == "ZBVZeroBubble" and v != 2:
         raise UserError("--pp-schedule ZBVZeroBubble holds exactly 2 stages per rank (--pp-virtual-stages 2)")
+    if precision == "fp16":
+        raise UserError("--pp with --precision fp16 is not supported (the loss scaler would have to scale the loss "
+                        "inside the schedule and agree across stages); use bf16")
+    if compile and "ZeroBubble" in schedule:
+        raise UserError(f"--pp-schedule {schedule} splits the backward into input and weight parts, which "
+                        "torch.compile'd blocks do not support; use 1F1B or Interleaved1F1B with --compile")
     if pp * v > args.n_layers:
         raise UserError(f"--pp {pp} x --pp-virtual-stages {v} = {pp * v} stages, but the model has "
                         f"{args.n_layers} layers (each stage needs at least one)")
@@ -102,7 +112,8 @@ def describe(specs: list[StageSpec], pp: int, v: int, schedule: str) -> str:
     lines = [f"pipeline: {len(specs)} stages on {pp} ranks ({schedule}), cut by the planner's cost per token "
              f"(mean {mean / 1e9:.3g} GFLOP/token):"]
     for s in specs:
-        parts = (["embedding"] if s.first else []) + [f"layers {s.layers[0]}-{s.layers[-1]}"] + \
+        span = f"layer {s.layers[0]}" if len(s.layers) == 1 else f"layers {s.layers[0]}-{s.layers[-1]}"
+        parts = (["embedding"] if s.first else []) + [span] + \
                 (["norm + head + loss"] if s.last else [])
         lines.append(f"  stage {s.index} (pp rank {owner[s.index]}): {', '.join(parts)}: "
                      f"{s.cost / 1e9:.3g} GFLOP/token ({s.cost / mean:.2f}x mean)")
@@ -144,9 +155,8 @@ class Pipeline:
     """This rank's stages and torch's schedule; `step(inputs, labels)` runs forward and backward of every
     micro-batch and returns the losses the last stage computed (an empty list on other ranks)."""
 
-    def __init__(self, stages: list[Transformer], specs: list[StageSpec], stage_ids: list[int], schedule: str,
-                 n_microbatches: int, loss_fn, device: torch.device, group: dist.ProcessGroup):
-        n = len(specs)
+    def __init__(self, stages: list[Transformer], stage_ids: list[int], n: int, schedule: str, n_microbatches: int,
+                 loss_fn, device: torch.device, group: dist.ProcessGroup):
         self.has_first, self.has_last = 0 in stage_ids, n - 1 in stage_ids
         pipe_stages = [PipelineStage(st, sid, n, device, group=group) for st, sid in zip(stages, stage_ids)]
         cls = get_schedule_class(schedule)
@@ -155,12 +165,16 @@ class Pipeline:
             self.schedule = cls(pipe_stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
         else:
             self.schedule = cls(pipe_stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        # By default the last stage keeps every micro-batch's logits and concatenates them at the end of step(): a
+        # 102k-129k vocabulary makes that GiBs. Releases that have the switch get it turned off.
+        params = inspect.signature(self.schedule.step).parameters
+        self.step_kw = {"return_outputs": False} if "return_outputs" in params else {}
 
     def step(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         args = (inputs_BT,) if self.has_first else ()
         if self.has_last:
-            self.schedule.step(*args, target=labels_BT, losses=losses)
+            self.schedule.step(*args, target=labels_BT, losses=losses, **self.step_kw)
         else:
-            self.schedule.step(*args)
+            self.schedule.step(*args, **self.step_kw)
         return losses

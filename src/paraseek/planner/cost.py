@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, hot_ranks, is_ddp, rank_shares
+from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, hot_ranks, is_ddp, rank_shares
 from paraseek.planner.plan import Cluster, Plan
 
 ALPHA_INTRA_S, ALPHA_INTER_S = 10e-6, 20e-6  # per collective: launch + latency (inter-node grows with log2 n)
@@ -83,7 +83,7 @@ def bubble(plan: Plan) -> float:
     return (pp - 1) / 2 * ZB_BUBBLE_SHARE  # ZBVZeroBubble
 
 
-def host_time(s, plan: Plan) -> float:
+def host_time(s: RankShare, plan: Plan) -> float:
     """Host seconds per micro-batch to launch this pp rank's blocks (eager mode; see HOST_BLOCK_S)."""
     n_dense = len(s.layers) - s.n_moe
     per = (n_dense * HOST_BLOCK_S["dense"] + s.n_moe * HOST_BLOCK_S["moe"]) * (HOST_TP_FACTOR if plan.tp > 1 else 1.0)

@@ -419,7 +419,8 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         base = params + optim + comm
         moments = {
             # the loss: every activation in flight, logits in bf16 + fp32 + fp32 log-softmax
-            "loss": base + acc + bf16 + acts + LOSS_BYTES_PER_LOGIT * logits + dispatch,
+            # (pipelined: from the first backward on, the unsharded grads accumulate beside the activations)
+            "loss": base + (unreduced if pipelined else acc) + bf16 + acts + LOSS_BYTES_PER_LOGIT * logits + dispatch,
             # early backward: a block rematerialized, its grads being reduced, the logits' fp32 + bf16 grads
             "backward": base + acc + bf16 + acts + recompute + unreduced + LOGIT_GRAD_BYTES * logits + dispatch,
             # pipelined: each block's unsharded grads are freed as its sharded ones are written
@@ -437,7 +438,8 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
     items = {
         "parameters": params, "gradients": acc if during else grads, "optimizer_states": optim,
         "bf16_params": bf16 if phase not in ("tp_grad_reduce", "optimizer_step") else 0.0,
-        "unreduced_grads": unreduced if phase in ("backward", "end_of_backward") else 0.0,
+        "unreduced_grads": unreduced if phase in ("backward", "end_of_backward") or (phase == "loss" and pipelined)
+        else 0.0,
         "activations": acts if during else 0.0, "recompute": recompute if phase == "backward" else 0.0,
         "logits_loss": (LOSS_BYTES_PER_LOGIT if phase == "loss" else LOGIT_GRAD_BYTES) * logits if during else 0.0,
         "moe_dispatch": dispatch if during else 0.0, "comm_buffers": comm,

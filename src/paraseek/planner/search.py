@@ -225,8 +225,6 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
                     unrunnable = [d for d, n in (("tp", tp), ("pp", pp), ("ep", ep)) if n > 1 and d not in ENGINE_DIMS]
-                    if tp > 1 and ep > 1:
-                        unrunnable.append("tp x ep")
                     if tp > 1 and is_ddp(base):
                         unrunnable.append("tp x DDP")  # the engine composes tp with FSDP2 (--dp-shard) only
                     if pp > 1 and is_ddp(base):

@@ -206,8 +206,6 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
                 raise UserError(f"--pp with {flag} is not supported yet")
     if cfg.tp > 1 and cfg.dp_shard == 1 and cfg.dp_replicate > 1:
         raise UserError("--tp composes with FSDP2 (--dp-shard), not with DDP; use --dp-shard instead of --dp-replicate")
-    if cfg.tp > 1 and cfg.ep > 1:
-        raise UserError("--tp together with --ep is not supported yet; use one of them")
     if cfg.tp > 1 and cfg.cpu_offload:
         raise UserError("--tp with --cpu-offload is not supported yet")
     per_step = cfg.micro_batch_size * cfg.dp_size

@@ -131,7 +131,8 @@ def _check_model_and_data(cfg: TrainConfig) -> None:
     if cfg.pp > 1:
         from paraseek.parallel.pipeline import check_pipeline
 
-        check_pipeline(args, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule, cfg.grad_accum_steps)
+        check_pipeline(args, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule, cfg.grad_accum_steps,
+                       compile=cfg.compile, precision=cfg.precision)
     if cfg.ep > 1 and (not args.n_routed_experts or args.n_routed_experts % cfg.ep):
         raise UserError(f"--ep {cfg.ep}: the model has {args.n_routed_experts} routed experts; ep must divide them")
     if cfg.data != "synthetic":

@@ -40,7 +40,7 @@ from paraseek.parallel.tensor import (
     apply_tensor_parallel, init_weights_tp, local_value, loss_context, reduce_tp_grads, tp_loss,
 )
 from paraseek.parallel.expert import (
-    ExpertLoad, apply_expert_parallel, clip_grad_norm, enable_balance_loss, ep_meshes, load_stats, moe_layers,
+    ExpertLoad, apply_expert_parallel, clip_grad_norm, enable_balance_loss, ep_meshes, load_stats, routed_layers,
     update_routing_bias,
 )
 from paraseek.parallel.pipeline import Pipeline, build_stage, describe, rank_stages, stage_specs, whole_model_view
@@ -163,10 +163,14 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
             parts = [Transformer(args)]
     meshes = ep_meshes(mesh, cfg.ep) if cfg.ep > 1 else {}
     for sid, part in zip(stage_ids, parts):
-        if cfg.tp > 1:
-            apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel)
+        # V3's MTP modules are kept (checkpoints, export) but not trained yet: frozen, so the optimizer holds no
+        # state for them and a checkpoint resumes under any plan.
+        part.mtp.requires_grad_(False)
+        # EP first: it replaces each MoE's experts module, which TP then marks as getting partial grads over tp.
         if meshes:
             apply_expert_parallel(part, meshes["ep"])
+        if cfg.tp > 1:
+            apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(part)
@@ -205,15 +209,16 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                 if use_ddp and cfg.precision != "fp32" else nullcontext())
 
     # MoE: load telemetry every step, V3's bias balancing, the optional balance loss.
-    expert_load = ExpertLoad(inner) if args.n_routed_experts else None  # also on a stage without MoE layers
+    expert_load = ExpertLoad(inner, device) if args.n_routed_experts else None  # also on a stage without MoE layers
     stage_counts: dict[int, list] = {}  # pp: stage -> (rows, counts) of each forward in this step
     if expert_load is not None and cfg.pp > 1:
         # A stage's forward runs inside the schedule: snapshot each stage's routing right after its forward (the
         # root module's forward is never recomputed by activation checkpointing). On the first step torch's
-        # PipelineStage may run one extra forward + backward of a micro-batch to infer the shapes it exchanges;
-        # the step keeps each stage's last n_microbatches snapshots, which are the real ones.
+        # PipelineStage runs an extra forward to infer the shapes it exchanges (a no-grad forward of zeros in older
+        # releases, a real forward + backward in torch 2.13); each stage keeps its last n_microbatches snapshots of
+        # the step, which are the real ones.
         for sid, part in zip(stage_ids, parts):
-            rows = [i for i, m in enumerate(expert_load.layers) if any(m is x for x in moe_layers(part))]
+            rows = [i for i, m in enumerate(expert_load.layers) if any(m is x for x in routed_layers(part))]
             if rows:
                 part.register_forward_hook(lambda *_, sid=sid, rows=slice(rows[0], rows[-1] + 1): stage_counts
                                            .setdefault(sid, []).append((rows, expert_load.snapshot(rows))))
@@ -260,17 +265,16 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
               f"{pp_text}{' | compile' if cfg.compile else ''}", flush=True)
         if cfg.pp > 1:
             print(describe(specs, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule), flush=True)
+    faults = FaultInjector(cfg.inject_fault, rank)
     pipe = None
     if cfg.pp > 1:
-        current = {"step": 0}
+        current = {"step": 0}  # the schedule calls the loss; the fault drills need the step
 
         def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return faults.loss_hook(current["step"], tp_loss(logits, labels) / tokens_per_rank_step)
 
-        pipe = Pipeline(parts, specs, stage_ids, cfg.pp_schedule, cfg.grad_accum_steps, pipeline_loss, device,
+        pipe = Pipeline(parts, stage_ids, len(specs), cfg.pp_schedule, cfg.grad_accum_steps, pipeline_loss, device,
                         mesh["pp"].get_group())
-
-    faults = FaultInjector(cfg.inject_fault, rank)
     health, stragglers, hosts = HealthMonitor(), StragglerDetector(world), gather_hosts()
     profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, rank, first_step=start_step + 1) if cfg.profile_steps else None
     recorder.mark(start_step, "start")
