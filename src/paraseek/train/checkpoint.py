@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
 
@@ -77,15 +78,24 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def full_model_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on rank 0's CPU (gathered from shards); empty on other ranks. With pipeline
-    stages (`pp_group`: this rank's pp group) each stage is gathered whole over its own ranks first, then rank 0's
-    pp group sends the stages to rank 0."""
+    """The whole model's state dict on rank 0's CPU (gathered from shards); empty on other ranks.
+
+    With pipeline stages (`pp_group`: this rank's pp group; pp is the outermost mesh dim) each stage is gathered
+    tensor by tensor over its own ranks (one whole tensor on the GPU at a time) onto the stage's first rank's CPU,
+    and those stage leaders -- world / pp ranks apart -- send their stages to rank 0 over a gloo group."""
     if pp_group is None:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    if 0 not in dist.get_process_group_ranks(pp_group):
+    pp, world, rank = dist.get_world_size(pp_group), dist.get_world_size(), dist.get_rank()
+    leaders = list(range(0, world, world // pp))
+    to_rank0 = dist.new_group(leaders, backend="gloo")  # every rank takes part in creating it
+    stage: dict[str, torch.Tensor] = {}
+    for name, t in get_model_state_dict(model).items():
+        whole = t.full_tensor() if isinstance(t, DTensor) else t  # a collective over the stage's ranks
+        if rank in leaders:
+            stage[name] = whole.detach().cpu()
+        del whole
+    if rank not in leaders:
         return {}
-    stage = {k: v.cpu() for k, v in stage.items()}
-    stages: list | None = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
-    dist.gather_object(stage, stages, dst=0, group=pp_group)
+    stages: list | None = [None] * pp if rank == 0 else None
+    dist.gather_object(stage, stages, dst=0, group=to_rank0)
     return {k: v for sd in stages for k, v in sd.items()} if stages else {}
