@@ -15,6 +15,7 @@ Groups (each fits one 10-minute device call on 2x H200):
   llama_zero2  the llama-8b no-AC + compile run with parameters kept gathered from forward to backward.
   push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
   holdout  four plans outside the fit of the planner's host-overhead constants (out-of-sample check).
+  loss_chunks  llama-8b's best plan with and without --loss-chunks 8, and micro-batch 3 with it.
   profile one profiled step of V2-Lite (14 layers) FSDP and of 7B tp=2: top kernels, CPU ops, host syncs.
 """
 
@@ -204,6 +205,17 @@ def group_holdout(out: Path) -> list[dict]:
     ]
 
 
+def group_loss_chunks(out: Path) -> list[dict]:
+    """The chunked head loss (--loss-chunks) on the llama-8b shape: the best plan of 2026-11-30 with and without it,
+    and the micro-batch it may make room for."""
+    llama = ["--model", "deepseek-r1-distill-llama-8b", "--seq-len", "4096", "--compile", "--reshard-after-forward",
+             "false", "--activation-checkpointing", "none"]
+    return [bench_run(f"llama-8b no-AC+compile zero2 mbs{mbs}{' loss-chunks 8' if chunks else ''}", N,
+                      [*llama, "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * N),
+                       "--loss-chunks", str(chunks)])
+            for mbs, chunks in ((2, 0), (2, 8), (3, 8))]
+
+
 def group_scale(out: Path) -> list[dict]:
     seven = ["--model", "deepseek-llm-7b", "--micro-batch-size", "2", "--activation-checkpointing", "selective",
              "--compile"]
@@ -280,7 +292,8 @@ def main() -> None:
     for g in a.groups.split(","):
         print(f"== {g}", flush=True)
         fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
-              "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout}.get(g)
+              "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
+              "loss_chunks": group_loss_chunks}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for g, runs in results.items():

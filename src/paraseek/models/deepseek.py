@@ -419,10 +419,17 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
+                loss_chunks: int = 0) -> torch.Tensor:
+        """Logits [B, T, V]; or, given labels and loss_chunks > 0, the summed token cross-entropy computed chunk by
+        chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered."""
         h_BTD = self.hidden_states(input_ids_BT)
         if self.norm is None:  # a pipeline stage before the last: its output is the next stage's input
             return h_BTD
+        if labels_BT is not None and loss_chunks > 0:
+            from paraseek.models.loss import chunked_head_loss
+
+            return chunked_head_loss(h_BTD, self.output_weight(), labels_BT, loss_chunks)
         # Through the lm_head module (same math as F.linear) so that a tensor-parallel plan's hooks on it apply.
         return self.lm_head(h_BTD) if self.lm_head is not None else F.linear(h_BTD, self.embed_tokens.weight)
 

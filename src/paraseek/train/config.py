@@ -51,6 +51,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full | selective
     cpu_offload: bool = False
     compile: bool = False
+    loss_chunks: int = 0  # > 0: the head + cross-entropy in this many row chunks, no whole logits (not with tp/pp)
     grad_compression: str = "none"  # none | bf16 | powersgd:RANK (DDP only)
     metrics_jsonl: str = ""
     tensorboard: str = ""
@@ -110,6 +111,9 @@ _HELP = {
     "dp_shard": "FSDP2 sharding degree (-1: the world size divided by the other degrees)",
     "dp_replicate": "data-parallel replicas: DDP when dp-shard is 1, else HSDP (all-reduce across replicas)",
     "data": "'synthetic' or a .txt/.jsonl/.parquet file or folder of them",
+    "loss_chunks": "compute the output head and its cross-entropy in this many row chunks (gradients on the fly): "
+                   "the [tokens, vocab] logits never exist whole; 0 = off. Not with --tp (its loss is "
+                   "vocab-parallel already) or --pp",
     "grad_compression": "DDP gradient compression: none, bf16, or powersgd:RANK",
     "checkpoint_every": "write a checkpoint every K steps (and at the end) into --checkpoint-dir",
     "resume": "continue from the newest checkpoint in --checkpoint-dir",
@@ -200,6 +204,11 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
             f"{cfg.dp_shard} x --tp {cfg.tp} = {cfg.pp * cfg.dp_replicate * cfg.dp_shard * cfg.tp}, but the world "
             f"size is {cfg.world_size} ({cfg.nnodes} node(s) x {cfg.nproc} processes)"
         )
+    if cfg.loss_chunks < 0:
+        raise UserError(f"--loss-chunks must be >= 0, got {cfg.loss_chunks}")
+    if cfg.loss_chunks and (cfg.tp > 1 or cfg.pp > 1):
+        raise UserError("--loss-chunks works without --tp and --pp (TP's loss is vocab-parallel already; under "
+                        "pipelining the last stage's schedule computes the loss)")
     if cfg.pp > 1:
         for flag, bad in (("--cpu-offload", cfg.cpu_offload), ("--grad-compression", cfg.grad_compression != "none")):
             if bad:

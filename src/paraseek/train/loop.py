@@ -309,13 +309,16 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
             last = i == len(micro_batches) - 1
             # Under TP the logits stay vocab-sharded: loss_parallel computes the cross-entropy without gathering them.
             with (model.no_sync() if use_ddp and not last else nullcontext()), autocast, loss_context(cfg.tp > 1):
-                logits = model(inputs)
-                loss = faults.loss_hook(step, tp_loss(logits, labels) / tokens_per_rank_step)
+                if cfg.loss_chunks:
+                    token_losses = model(inputs, labels, cfg.loss_chunks)
+                else:
+                    token_losses = tp_loss(model(inputs), labels)
+                loss = faults.loss_hook(step, token_losses / tokens_per_rank_step)
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += local_value(loss).detach()
             if expert_load is not None:
                 expert_load.observe()
-            del logits, loss
+            del token_losses, loss
         if cfg.tp > 1:
             reduce_tp_grads(model)  # the tp-replicated weights (router, experts, MLA's latent path) got partial grads
         if scaler:
