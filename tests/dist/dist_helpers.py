@@ -34,19 +34,26 @@ def seed_checkpoint(model: str, folder: Path) -> Path:
     The router weights get std 1 instead of 0.02: with near-uniform initial scores, a 1e-7 difference in the order
     of a gradient reduction can flip one token's top-k expert and move the loss by ~1e-4 a few steps later. A
     decisive router keeps top-k choices away from ties, so the comparison measures the plan, not a coin flip."""
-    from paraseek.models import build_model, resolve_model, save_pretrained
-    from paraseek.models.deepseek import Gate
+    from paraseek.models import resolve_model, save_pretrained
 
     if not (folder / "config.json").exists():
         args, _, _ = resolve_model(model)
-        torch.manual_seed(1234)
-        built = build_model(args, "cpu", torch.float32)
-        with torch.no_grad():
-            for m in built.modules():
-                if isinstance(m, Gate):
-                    m.weight.normal_(0.0, 1.0)
-        save_pretrained(built, folder)
+        save_pretrained(seeded_model(args), folder)
     return folder
+
+
+def seeded_model(args):
+    """The tests' one random initialization of `args` (seed 1234, fp32, CPU) with decisive routers (std 1)."""
+    from paraseek.models import build_model
+    from paraseek.models.deepseek import Gate
+
+    torch.manual_seed(1234)
+    model = build_model(args, "cpu", torch.float32)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Gate):
+                m.weight.normal_(0.0, 1.0)
+    return model
 
 
 def assert_same_losses(got: dict[int, float], ref: dict[int, float], rtol: float) -> None:

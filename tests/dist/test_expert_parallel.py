@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
-from paraseek.models.deepseek import Gate, MoE, Transformer, build_model
+from paraseek.models.deepseek import Gate, MoE, Transformer
 from paraseek.models.hf import load_state_into
 from paraseek.parallel.apply import apply_activation_checkpointing
 from paraseek.parallel.expert import (
@@ -31,7 +31,7 @@ from paraseek.parallel.expert import (
     update_routing_bias,
 )
 
-from dist_helpers import spawn  # noqa: E402
+from dist_helpers import seeded_model, spawn  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -44,13 +44,10 @@ def seed_folder(tmp_path_factory) -> Path:
     """tiny-moe with a decisive router (std 1) as an HF folder, which every process loads, plus the single-process
     reference on the whole batch (reference.pt), computed once here."""
     folder = tmp_path_factory.mktemp("tiny-moe") / "init"
-    args = ModelArgs.from_hf_config(preset_config("tiny-moe"))
-    torch.manual_seed(1234)
-    model = build_model(args, "cpu", torch.float32)
+    model = seeded_model(ModelArgs.from_hf_config(preset_config("tiny-moe")))
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, Gate):
-                m.weight.normal_(0.0, 1.0)
                 m.e_score_correction_bias.normal_(0.0, 0.1)  # a non-zero bias: it must reach every rank's router
     save_pretrained(model, folder)
     torch.save(_reference(folder), folder / "reference.pt")

@@ -14,11 +14,11 @@ import pytest
 import torch
 import json
 
-from dist_helpers import EXACT, assert_same_losses, run_train, step_losses
+from dist_helpers import EXACT, assert_same_losses, run_train, seeded_model, step_losses
 
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
-from paraseek.models.deepseek import Gate, build_model
+from paraseek.models.deepseek import build_model
 from paraseek.parallel.pipeline import SCHEDULES, SINGLE_SCHEDULES
 
 pytestmark = pytest.mark.dist
@@ -31,12 +31,7 @@ RTOL = 1e-4
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
     config = {**preset_config("tiny-moe"), "num_hidden_layers": 4}
-    torch.manual_seed(1234)
-    main = build_model(ModelArgs.from_hf_config(config), "cpu", torch.float32)
-    with torch.no_grad():
-        for m in main.modules():
-            if isinstance(m, Gate):
-                m.weight.normal_(0.0, 1.0)
+    main = seeded_model(ModelArgs.from_hf_config(config))
     # The same main weights plus an MTP module: drawing it first would move every later draw, and a new draw can
     # put a token's top-k choice on a near-tie that a 1e-7 reduction-order difference flips.
     model = build_model(ModelArgs.from_hf_config({**config, "num_nextn_predict_layers": 1}), "cpu", torch.float32)

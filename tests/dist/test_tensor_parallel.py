@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from paraseek.errors import UserError
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config, read_hf_config
-from paraseek.models.deepseek import Gate, Transformer, build_model
+from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
 from paraseek.parallel.apply import apply_activation_checkpointing, apply_compile
 from paraseek.parallel.tensor import (
@@ -37,7 +37,7 @@ from paraseek.parallel.tensor import (
     tp_loss,
 )
 
-from dist_helpers import spawn  # noqa: E402
+from dist_helpers import seeded_model, spawn  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -56,14 +56,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-init")
     out = {}
     for name, (preset, overrides) in MODELS.items():
-        args = ModelArgs.from_hf_config({**preset_config(preset), **overrides})
-        torch.manual_seed(1234)
-        model = build_model(args, "cpu", torch.float32)
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, Gate):
-                    m.weight.normal_(0.0, 1.0)
-        save_pretrained(model, root / name)
+        save_pretrained(seeded_model(ModelArgs.from_hf_config({**preset_config(preset), **overrides})), root / name)
         out[name] = root / name
     return out
 
