@@ -77,16 +77,15 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return trainer_state
 
 
-def full_model_state(model: nn.Module, pp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def full_model_state(model: nn.Module, leaders: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0's CPU (gathered from shards); empty on other ranks.
 
-    With pipeline stages (`pp_group`: this rank's pp group; pp is the outermost mesh dim) each stage is gathered
-    tensor by tensor over its own ranks (one whole tensor on the GPU at a time) onto the stage's first rank's CPU,
-    and those stage leaders -- world / pp ranks apart -- send their stages to rank 0 over a gloo group."""
-    if pp_group is None:
+    With pipeline stages (`leaders`: the first rank of each stage, rank 0 among them) each stage is gathered tensor
+    by tensor over its own ranks (one whole tensor on the GPU at a time) onto its leader's CPU, and the leaders send
+    their stages to rank 0 over a gloo group."""
+    if leaders is None:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    pp, world, rank = dist.get_world_size(pp_group), dist.get_world_size(), dist.get_rank()
-    leaders = list(range(0, world, world // pp))
+    pp, rank = len(leaders), dist.get_rank()
     to_rank0 = dist.new_group(leaders, backend="gloo")  # every rank takes part in creating it
     stage: dict[str, torch.Tensor] = {}
     for name, t in get_model_state_dict(model).items():

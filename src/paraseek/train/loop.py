@@ -197,7 +197,9 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     if use_ddp:
         model = apply_ddp(model, mesh, device, cfg.grad_compression)
     # Ranks holding the same stages (pp == 1: everyone): the expert-load sums run over them.
-    stage_group = _stage_group(cfg.pp) if cfg.pp > 1 else None
+    # Each pp coordinate's ranks, read from the mesh (pp is its first dim).
+    stage_ranks = [mesh.mesh[s].flatten().tolist() for s in range(cfg.pp)] if cfg.pp > 1 else None
+    stage_group = _stage_group(stage_ranks) if stage_ranks else None
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
@@ -391,7 +393,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                 print(f"checkpoint: {path}", flush=True)
 
     if cfg.export_hf:
-        state = full_model_state(inner, mesh["pp"].get_group() if cfg.pp > 1 else None)
+        state = full_model_state(inner, [ranks[0] for ranks in stage_ranks] if stage_ranks else None)
         if is_main:
             save_hf_state(state, args, cfg.export_hf)
             print(f"exported an HF folder to {Path(cfg.export_hf).resolve()}", flush=True)
@@ -409,13 +411,11 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     return 0
 
 
-def _stage_group(pp: int) -> dist.ProcessGroup:
-    """This rank's pipeline-stage group: the world / pp consecutive ranks of its pp coordinate (pp is the
-    outermost mesh dim). Every rank creates every group, in the same order, as new_group requires."""
-    world = dist.get_world_size()
-    size = world // pp
-    groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(pp)]
-    return groups[dist.get_rank() // size]
+def _stage_group(stage_ranks: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's pipeline-stage group (the ranks of its pp coordinate). Every rank creates every group, in the
+    same order, as new_group requires."""
+    groups = [dist.new_group(ranks) for ranks in stage_ranks]
+    return next(g for g, ranks in zip(groups, stage_ranks) if dist.get_rank() in ranks)
 
 
 def _all_stages(load_YE: torch.Tensor, model: Transformer, pp_group: dist.ProcessGroup) -> torch.Tensor:
