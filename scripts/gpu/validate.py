@@ -16,6 +16,8 @@ Groups (each fits one 10-minute device call on 2x H200):
   push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
   holdout  four plans outside the fit of the planner's host-overhead constants (out-of-sample check).
   loss_chunks  llama-8b's best plan with and without --loss-chunks 8, and micro-batch 3 with it.
+  attn  MLA attention through each SDPA kernel (the engine pads v for flash), and the host syncs left in a V2-Lite
+        forward+backward, by source line.
   profile one profiled step of V2-Lite (14 layers) FSDP and of 7B tp=2: top kernels, CPU ops, host syncs.
 """
 
@@ -233,8 +235,88 @@ def group_v2lite(out: Path, anchors: str) -> list[dict]:
     base = ["--model", v2, "--seq-len", "4096", "--global-batch-size", str(2 * N), "--micro-batch-size", "2"]
     return [baseline(anchors, ["--model", "deepseek-v2-lite", "--layers", "14", "--seq", "4096", "--mbs", "2",
                                "--ac", "1"]),
-            bench_run("v2lite14 fsdp selective mbs2", N, [*base, "--activation-checkpointing", "selective"]),
-            bench_run("v2lite14 fsdp no-AC mbs2", N, [*base, "--activation-checkpointing", "none"])]
+            bench_run("v2lite14 fsdp selective+compile mbs2", N, [*base, "--activation-checkpointing", "selective",
+                                                                  "--compile"]),
+            bench_run("v2lite14 fsdp no-AC+compile mbs2", N, [*base, "--activation-checkpointing", "none", "--compile"]),
+            bench_run("v2lite14 fsdp no-AC+compile mbs4", N, [*base[:-4], "--global-batch-size", str(4 * N),
+                                                              "--micro-batch-size", "4", "--activation-checkpointing",
+                                                              "none", "--compile"])]
+
+
+def group_attn(out: Path) -> list[dict]:
+    """MLA's attention (V2-Lite: 16 heads, q/k 192, v 128, 2 x 4096 tokens) forward+backward through each SDPA kernel,
+    and the host syncs left in one forward+backward of a 2-layer V2-Lite model (where each one comes from)."""
+    import traceback
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from paraseek.models import build_model
+    from paraseek.models.args import ModelArgs, preset_config
+    from paraseek.models.deepseek import causal_attention
+    from paraseek.parallel.apply import apply_activation_checkpointing
+    from paraseek.parallel.expert import enable_balance_loss
+
+    B, H, T, K, V = 2, 16, 4096, 192, 128
+    q, k = (torch.randn(B, H, T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, H, T, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(B, H, T, V, device="cuda", dtype=torch.bfloat16)
+    flops = 3 * 2 * B * H * T * T * (K + V) / 2  # causal half, fwd + 2x bwd (the planner's count)
+    variants = {"padded v, flash (the engine)": ([SDPBackend.FLASH_ATTENTION], True),
+                "unpadded, SDPA's default choice": (None, False),
+                "unpadded, cuDNN": ([SDPBackend.CUDNN_ATTENTION], False),
+                "unpadded, memory-efficient": ([SDPBackend.EFFICIENT_ATTENTION], False)}
+    runs = []
+    for name, (backends, padded) in variants.items():
+        def step():
+            with sdpa_kernel(backends) if backends else torch.enable_grad():
+                o = (causal_attention(q, k, v, K**-0.5) if padded
+                     else F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=K**-0.5))
+                torch.autograd.grad(o, (q, k, v), do)
+        try:
+            times = []
+            for i in range(25):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                step()
+                b.record()
+                torch.cuda.synchronize()
+                if i >= 5:
+                    times.append(a.elapsed_time(b))
+            ms = sorted(times)[len(times) // 2]
+            runs.append({"name": f"mla attention {name}", "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)})
+        except RuntimeError as e:
+            runs.append({"name": f"mla attention {name}", "error": str(e).splitlines()[0][:160]})
+        print(runs[-1], flush=True)
+
+    cfg = {**preset_config("deepseek-v2-lite"), "num_hidden_layers": 2}
+    model = build_model(ModelArgs.from_hf_config(cfg), "cuda", torch.bfloat16)
+    enable_balance_loss(model)
+    apply_activation_checkpointing(model, "selective")
+    ids = torch.randint(0, cfg["vocab_size"], (2, 4096), device="cuda")
+    F.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten()).backward()  # warm-up
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "paraseek" in f.filename or "torch" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:])
+        sites[where] = sites.get(where, 0) + 1
+
+    torch.cuda.synchronize()
+    old = warnings.showwarning
+    warnings.showwarning = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        F.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten()).backward()
+        torch.cuda.set_sync_debug_mode("default")
+    warnings.showwarning = old
+    runs.append({"name": "host syncs in one fwd+bwd of 2-layer V2-Lite (selective AC, balance loss)",
+                 "count": sum(sites.values()), "sites": sites})
+    print(json.dumps(runs[-1], indent=1), flush=True)
+    return runs
 
 
 def trace_digest(path: Path, top: int = 12) -> dict:
@@ -293,7 +375,7 @@ def main() -> None:
         print(f"== {g}", flush=True)
         fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
-              "loss_chunks": group_loss_chunks}.get(g)
+              "loss_chunks": group_loss_chunks, "attn": group_attn}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for g, runs in results.items():

@@ -301,7 +301,8 @@ class _AddAuxLoss(torch.autograd.Function):
 
 class BalanceLoss:
     """The MoE hook (`MoE.balance_loss`): computes the balance loss from the gate's scores and choice and attaches
-    it, times `scale`, to the layer's output. `value` is the last forward's (unscaled) loss, detached, for logging."""
+    it, times `scale`, to the layer's output. `value` is the last eager forward's (unscaled) loss, detached, for
+    logging (a torch.compile'd block does not update it)."""
 
     def __init__(self, alpha: float, per_sequence: bool, normalize_scores: bool, scale: float = 1.0):
         self.alpha, self.per_sequence, self.normalize_scores, self.scale = alpha, per_sequence, normalize_scores, scale
@@ -312,7 +313,8 @@ class BalanceLoss:
             return out_ND
         aux = expert_balance_loss(scores_NE, idx_NK, n_seqs, self.alpha, per_sequence=self.per_sequence,
                                   normalize_scores=self.normalize_scores)
-        self.value = aux.detach()
+        if not torch.compiler.is_compiling():  # a side effect that a compiled, checkpointed block cannot hold
+            self.value = aux.detach()
         return _AddAuxLoss.apply(out_ND, aux * self.scale)
 
 

@@ -177,8 +177,10 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
         if not use_ddp:
             # Pipelining runs several micro-batches through a stage before their backward: resharding after each
             # forward would all-gather the stage's parameters once per micro-batch (TorchTitan keeps them too).
-            apply_fsdp(part, mesh, cfg.precision, cfg.reshard_after_forward and cfg.pp == 1, cfg.cpu_offload,
-                       meshes.get("expert_dp"))
+            # Without pipelining, keeping them gathered saves all-gathers; with one data-parallel rank there are
+            # none to save, only the memory of a second (bf16) copy, so the flag is ignored there.
+            keep_gathered = cfg.pp > 1 or (not cfg.reshard_after_forward and cfg.dp_size > 1)
+            apply_fsdp(part, mesh, cfg.precision, not keep_gathered, cfg.cpu_offload, meshes.get("expert_dp"))
         part.to_empty(device="cpu" if cfg.cpu_offload else device)
         if cfg.init_from:
             load_state_into(part, cfg.init_from, stage=cfg.pp > 1)
