@@ -16,8 +16,9 @@ Groups (each fits one 10-minute device call on 2x H200):
   push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
   holdout  four plans outside the fit of the planner's host-overhead constants (out-of-sample check).
   loss_chunks  llama-8b's best plan with and without --loss-chunks 8, and micro-batch 3 with it.
-  attn  MLA attention through each SDPA kernel (the engine pads v for flash), and the host syncs left in a V2-Lite
+  attn  MLA attention through each SDPA kernel (flash with v padded, cuDNN, memory-efficient), and the host syncs left in a V2-Lite
         forward+backward, by source line.
+  v2lite_push  V2-Lite compiled without checkpointing: params kept gathered, EP=2, mbs 2 and 4, one profiled step.
   profile one profiled step of V2-Lite (14 layers) FSDP and of 7B tp=2: top kernels, CPU ops, host syncs.
 """
 
@@ -244,8 +245,8 @@ def group_v2lite(out: Path, anchors: str) -> list[dict]:
 
 
 def group_attn(out: Path) -> list[dict]:
-    """MLA's attention (V2-Lite: 16 heads, q/k 192, v 128, 2 x 4096 tokens) forward+backward through each SDPA kernel,
-    and the host syncs left in one forward+backward of a 2-layer V2-Lite model (where each one comes from)."""
+    """MLA's attention (V2-Lite: 16 heads, q/k 192, v 128, 2 x 4096 tokens) forward+backward through each SDPA kernel
+    (flash needs v zero-padded to 192; FLOPs counted unpadded), and the host syncs left in one forward+backward of a 2-layer V2-Lite model (where each one comes from)."""
     import traceback
     import warnings
 
@@ -254,7 +255,6 @@ def group_attn(out: Path) -> list[dict]:
 
     from paraseek.models import build_model
     from paraseek.models.args import ModelArgs, preset_config
-    from paraseek.models.deepseek import causal_attention
     from paraseek.parallel.apply import apply_activation_checkpointing
     from paraseek.parallel.expert import enable_balance_loss
 
@@ -263,7 +263,7 @@ def group_attn(out: Path) -> list[dict]:
     v = torch.randn(B, H, T, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     do = torch.randn(B, H, T, V, device="cuda", dtype=torch.bfloat16)
     flops = 3 * 2 * B * H * T * T * (K + V) / 2  # causal half, fwd + 2x bwd (the planner's count)
-    variants = {"padded v, flash (the engine)": ([SDPBackend.FLASH_ATTENTION], True),
+    variants = {"padded v, flash": ([SDPBackend.FLASH_ATTENTION], True),
                 "unpadded, SDPA's default choice": (None, False),
                 "unpadded, cuDNN": ([SDPBackend.CUDNN_ATTENTION], False),
                 "unpadded, memory-efficient": ([SDPBackend.EFFICIENT_ATTENTION], False)}
@@ -271,8 +271,8 @@ def group_attn(out: Path) -> list[dict]:
     for name, (backends, padded) in variants.items():
         def step():
             with sdpa_kernel(backends) if backends else torch.enable_grad():
-                o = (causal_attention(q, k, v, K**-0.5) if padded
-                     else F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=K**-0.5))
+                vv = F.pad(v, (0, K - V)) if padded else v
+                o = F.scaled_dot_product_attention(q, k, vv, is_causal=True, scale=K**-0.5)[..., :V]
                 torch.autograd.grad(o, (q, k, v), do)
         try:
             times = []
@@ -317,6 +317,31 @@ def group_attn(out: Path) -> list[dict]:
                  "count": sum(sites.values()), "sites": sites})
     print(json.dumps(runs[-1], indent=1), flush=True)
     return runs
+
+
+def group_v2lite_push(out: Path) -> list[dict]:
+    """V2-Lite (14 layers) compiled without checkpointing: parameters kept gathered, EP=2, and one profiled step of
+    the mbs-4 plan (where the time goes once the host is no longer the bottleneck)."""
+    v2 = folder("v2lite14", "deepseek-v2-lite", 14, weights=False)
+    common = ["--model", v2, "--seq-len", "4096", "--activation-checkpointing", "none", "--compile"]
+
+    def mbs(n: int) -> list[str]:
+        return ["--micro-batch-size", str(n), "--global-batch-size", str(n * N)]
+
+    runs = [bench_run("v2lite14 no-AC+compile mbs2 zero2", N, [*common, *mbs(2), "--reshard-after-forward", "false"]),
+            bench_run("v2lite14 no-AC+compile mbs4 zero2", N, [*common, *mbs(4), "--reshard-after-forward", "false"]),
+            bench_run("v2lite14 ep2 no-AC+compile mbs2", N, [*common, *mbs(2), "--ep", str(N)]),
+            bench_run("v2lite14 ep2 no-AC+compile mbs4", N, [*common, *mbs(4), "--ep", str(N)])]
+    run_dir = out / "profile-v2lite"
+    r = train_run(out, "profile-v2lite", N, [*common, *mbs(4), "--data", "synthetic", "--steps", "5",
+                                             "--profile-steps", "4:4", "--run-dir", str(run_dir)])
+    trace = run_dir / "profile" / "rank0.json"
+    r["name"] = "profile v2lite14 no-AC+compile mbs4"
+    if trace.exists():
+        r["digest"] = trace_digest(trace, top=25)
+        print(json.dumps(r["digest"], indent=1), flush=True)
+        trace.unlink()
+    return [*runs, r]
 
 
 def trace_digest(path: Path, top: int = 12) -> dict:
@@ -375,7 +400,8 @@ def main() -> None:
         print(f"== {g}", flush=True)
         fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
-              "loss_chunks": group_loss_chunks, "attn": group_attn}.get(g)
+              "loss_chunks": group_loss_chunks, "attn": group_attn,
+              "v2lite_push": group_v2lite_push}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for g, runs in results.items():

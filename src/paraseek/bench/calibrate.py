@@ -6,8 +6,7 @@ What is measured (defaults: DeepSeek-LLM-7B's linears and attention, DeepSeek-V2
              gradient, dy.T @ x for the weight gradient), plus the doctor's 8192^3 square one. The best is the
              planner's `matmul_tflops` (the achievable GEMM ceiling); the layer's linears together (FLOPs over
              time, each weight as often as the layer has it) over that ceiling are `eff.linear`.
-  attention  causal SDPA as the engine calls it (models.deepseek.causal_attention), forward+backward, at MHA head
-             dim 128 and MLA's q/k 192 / v 128 (v padded to 192 on CUDA for the flash kernel); FLOPs counted
+  attention  torch SDPA, causal, forward+backward, at MHA head dim 128 and MLA's q/k 192 / v 128; FLOPs counted
              on the causal half (as planner/memory.py counts them). Rate over the ceiling = `eff.attention` (the
              mean of the two: the planner has one factor for every model).
   grouped    the MoE experts' three GEMMs forward+backward through `models.deepseek.grouped_mm` (the engine's
@@ -34,6 +33,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from paraseek.hardware.probe import ProbeConfig
 
@@ -138,10 +138,8 @@ def gemm_rates(device: torch.device, s: Shapes) -> list[dict[str, Any]]:
 
 def attention_tflops(device: torch.device, batch: int, heads: int, seq: int, qk_dim: int, v_dim: int,
                      warmup: int, reps: int) -> float:
-    """Causal attention forward+backward TFLOP/s as the engine runs it, counting the causal half of the score and value matmuls:
+    """Causal SDPA forward+backward TFLOP/s, counting the causal half of the score and value matmuls:
     3 (fwd + 2x bwd) x 2 x B x H x T^2 x (d_qk + d_v) / 2, the planner's count (planner/memory.py attn_flops)."""
-    from paraseek.models.deepseek import causal_attention
-
     dtype = _dtype(device)
     B, H, T = batch, heads, seq
     q_BHTK = torch.randn(B, H, T, qk_dim, device=device, dtype=dtype, requires_grad=True)
@@ -150,7 +148,7 @@ def attention_tflops(device: torch.device, batch: int, heads: int, seq: int, qk_
     do_BHTV = torch.randn(B, H, T, v_dim, device=device, dtype=dtype)
 
     def step() -> None:
-        o_BHTV = causal_attention(q_BHTK, k_BHTK, v_BHTV, qk_dim**-0.5)  # the engine's call (MLA's v padded on CUDA)
+        o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True)
         torch.autograd.grad(o_BHTV, (q_BHTK, k_BHTK, v_BHTV), do_BHTV)  # grads returned, not accumulated
 
     sec = median_seconds(step, device, warmup, reps)
