@@ -15,6 +15,7 @@ Groups (each fits one 10-minute device call on 2x H200):
   llama_zero2  the llama-8b no-AC + compile run with parameters kept gathered from forward to backward.
   push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
   holdout  four plans outside the fit of the planner's host-overhead constants (out-of-sample check).
+  holdout2  five eager plans outside every fit of the planner (predictions committed first: predict_holdout2.py).
   loss_chunks  llama-8b's best plan with and without --loss-chunks 8, and micro-batch 3 with it.
   attn  MLA attention through each SDPA kernel (flash with v padded, cuDNN, memory-efficient), and the host syncs left in a V2-Lite
         forward+backward, by source line.
@@ -206,6 +207,28 @@ def group_holdout(out: Path) -> list[dict]:
                                                                "--activation-checkpointing", "selective", "--pp", "2",
                                                                "--pp-schedule", "Interleaved1F1B"]),
     ]
+
+
+# Plans outside every fit of the planner's constants (models, sequence lengths and micro-batches not in `plan`/`holdout`),
+# eager. Their predictions are printed by predict_holdout2.py and committed before the group runs.
+HOLDOUT2 = [
+    ("llama-8b fsdp full-AC mbs2", 2, dict(model="deepseek-r1-distill-llama-8b", seq=4096, gbs=4, mbs=2, ac="full")),
+    ("qwen-7b fsdp selective mbs1", 2, dict(model="deepseek-r1-distill-qwen-7b", seq=4096, gbs=2, mbs=1,
+                                            ac="selective")),
+    ("7b seq8192 fsdp selective mbs1", 2, dict(model="deepseek-llm-7b", seq=8192, gbs=2, mbs=1, ac="selective")),
+    ("qwen-1.5b fsdp no-AC mbs4", 2, dict(model="deepseek-r1-distill-qwen-1.5b", seq=4096, gbs=8, mbs=4, ac="none")),
+    ("v2lite14 fsdp full-AC mbs4", 2, dict(model="deepseek-v2-lite", layers=14, seq=4096, gbs=8, mbs=4, ac="full")),
+]
+
+
+def group_holdout2(out: Path) -> list[dict]:
+    runs = []
+    for name, n, s in HOLDOUT2:
+        model = folder(f"v2lite{s['layers']}", s["model"], s["layers"], weights=False) if s.get("layers") else s["model"]
+        runs.append(bench_run(name, n, ["--model", model, "--seq-len", str(s["seq"]), "--global-batch-size",
+                                        str(s["gbs"]), "--micro-batch-size", str(s["mbs"]),
+                                        "--activation-checkpointing", s["ac"]]))
+    return runs
 
 
 def group_loss_chunks(out: Path) -> list[dict]:
@@ -400,7 +423,7 @@ def main() -> None:
         print(f"== {g}", flush=True)
         fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
-              "loss_chunks": group_loss_chunks, "attn": group_attn,
+              "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2,
               "v2lite_push": group_v2lite_push}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
