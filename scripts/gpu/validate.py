@@ -11,7 +11,8 @@ Groups (each fits one 10-minute device call on 2x H200):
         beside each measurement, with the errors.
   llama the anchors' HF + FSDP2 baseline (llama3-8b shape) and paraseek on deepseek-r1-distill-llama-8b.
   scale 7B weak scaling 1 -> 2 GPUs (same per-GPU batch), and the 16k / 32k sequence runs on 2 GPUs.
-  v2lite the anchors' baseline on the V2-Lite shape (14 layers) and paraseek's best plan on it.
+  v2lite the anchors' baseline on the V2-Lite shape (14 layers) at micro-batch 2 and 4, paraseek's best plan at each.
+  weak  7B weak scaling 1 -> 2 GPUs with parameters kept gathered (same flags on both).
   llama_zero2  the llama-8b no-AC + compile run with parameters kept gathered from forward to backward.
   push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
   holdout  four plans outside the fit of the planner's host-overhead constants (out-of-sample check).
@@ -255,16 +256,26 @@ def group_scale(out: Path) -> list[dict]:
 
 
 def group_v2lite(out: Path, anchors: str) -> list[dict]:
+    """The anchors' baseline on the V2-Lite shape (14 layers) at micro-batch 2 (its published setting) and 4, and
+    paraseek's best plan at each: no checkpointing, compiled, parameters kept gathered."""
     v2 = folder("v2lite14", "deepseek-v2-lite", 14, weights=False)
-    base = ["--model", v2, "--seq-len", "4096", "--global-batch-size", str(2 * N), "--micro-batch-size", "2"]
-    return [baseline(anchors, ["--model", "deepseek-v2-lite", "--layers", "14", "--seq", "4096", "--mbs", "2",
-                               "--ac", "1"]),
-            bench_run("v2lite14 fsdp selective+compile mbs2", N, [*base, "--activation-checkpointing", "selective",
-                                                                  "--compile"]),
-            bench_run("v2lite14 fsdp no-AC+compile mbs2", N, [*base, "--activation-checkpointing", "none", "--compile"]),
-            bench_run("v2lite14 fsdp no-AC+compile mbs4", N, [*base[:-4], "--global-batch-size", str(4 * N),
-                                                              "--micro-batch-size", "4", "--activation-checkpointing",
-                                                              "none", "--compile"])]
+    runs = []
+    for mbs in (2, 4):
+        runs.append(baseline(anchors, ["--model", "deepseek-v2-lite", "--layers", "14", "--seq", "4096", "--mbs",
+                                       str(mbs), "--ac", "1"]))
+        runs.append(bench_run(f"v2lite14 no-AC+compile mbs{mbs} zero2", N,
+                              ["--model", v2, "--seq-len", "4096", "--micro-batch-size", str(mbs),
+                               "--global-batch-size", str(mbs * N), "--activation-checkpointing", "none",
+                               "--compile", "--reshard-after-forward", "false"]))
+    return runs
+
+
+def group_weak(out: Path) -> list[dict]:
+    """7B weak scaling 1 -> N GPUs, same flags and per-GPU batch (--reshard-after-forward false is a no-op on 1 GPU)."""
+    return [bench_run(f"7b weak scaling 1,{N} selective+compile mbs2 zero2", N,
+                      ["--model", "deepseek-llm-7b", "--seq-len", "4096", "--micro-batch-size", "2",
+                       "--global-batch-size", "2", "--activation-checkpointing", "selective", "--compile",
+                       "--reshard-after-forward", "false", "--scaling", f"1,{N}"], timeout=420)]
 
 
 def group_attn(out: Path) -> list[dict]:
@@ -423,7 +434,7 @@ def main() -> None:
         print(f"== {g}", flush=True)
         fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
-              "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2,
+              "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
               "v2lite_push": group_v2lite_push}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
