@@ -4,6 +4,7 @@ then prices at exactly those rates; the CLI's flow with the measurement stubbed;
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from paraseek.errors import UserError
 from paraseek.hardware.profile import add_calibration, save_profile
 from paraseek.models import resolve_model
 from paraseek.planner import Plan, evaluate, make_cluster
+from paraseek.planner import plan as plan_module
 from paraseek.planner.plan import load_profile
 
 CPU = torch.device("cpu")
@@ -68,7 +70,9 @@ def test_profile_file_with_calibration_is_priced_at_exactly_those_rates(section,
     c = load_profile(path)
     e = section["efficiency"]
     assert c.matmul_tflops == section["matmul_tflops"] and c.hbm_gbps == section["hbm_gbps"]
-    assert (c.eff.linear, c.eff.attention, c.eff.grouped) == (e["linear"], e["attention"], e["grouped"])
+    hopper, ref = plan_module.EFFICIENCY["hopper"], plan_module.REFERENCE_KERNEL_EFFICIENCY
+    for key in ("linear", "attention", "grouped"):  # the fitted in-training rate, scaled by kernels vs the reference
+        assert getattr(c.eff, key) == pytest.approx(min(1.0, getattr(hopper, key) * e[key] / ref[key]))
     assert c.intra_busbw_gbps == 348.0 and c.memory_gib == 139.8  # not calibrated: the doctor's numbers
     defaults = make_cluster("H200", 8)
     assert (c.eff.hbm, c.eff.busbw) == (defaults.eff.hbm, defaults.eff.busbw)
@@ -80,12 +84,12 @@ def test_profile_file_with_calibration_is_priced_at_exactly_those_rates(section,
     assert p.matmul_tflops == 790.0 and p.eff == defaults.eff
 
     # a newer calibration replaces the older one; a faster GEMM ceiling gives a faster predicted step
-    fast = {**section, "matmul_tflops": 1600.0, "hbm_gbps": 8600.0,
-            "efficiency": {"linear": defaults.eff.linear, "attention": defaults.eff.attention,
-                           "grouped": defaults.eff.grouped}}
+    fast = {**section, "matmul_tflops": 1600.0, "hbm_gbps": 8600.0, "efficiency": plan_module.REFERENCE_KERNEL_EFFICIENCY}
     save_profile(path, add_calibration(back, fast))
     c = load_profile(path)
     assert c.matmul_tflops == 1600.0 and c.hbm_gbps == 8600.0
+    assert (c.eff.linear, c.eff.attention, c.eff.grouped) == (defaults.eff.linear, defaults.eff.attention,
+                                                              defaults.eff.grouped)
     args = resolve_model("deepseek-llm-7b")[0]
     assert (evaluate(args, c, Plan(dp_shard=8), 4096, 16).time.total
             < evaluate(args, p, Plan(dp_shard=8), 4096, 16).time.total)
@@ -153,3 +157,16 @@ def test_table_renders(section, capsys):
     _print_calibration({**section, "device": "NVIDIA H200"}, DOCTOR_PROFILE)
     out = capsys.readouterr().out
     assert "SDPA causal fwd+bwd MLA" in out and "(default 0.73)" in out and "348 GB/s in a node" in out
+
+
+def test_the_reference_h200_calibration_prices_like_the_fitted_defaults():
+    """The calibration measured on the 2x H200 the defaults were fitted on (a real `paraseek bench --calibrate`
+    output) must give the defaults' predictions back, within the 0.3% its GEMM ceiling differs by."""
+    profile = Path(__file__).resolve().parents[2] / "benchmarks" / "2026-11-30" / "h200-calibrated-profile.json"
+    c = load_profile(profile, 2)
+    d = make_cluster("H200", 2, gpus_per_node=2)
+    for model, plan, gbs in (("deepseek-llm-7b", Plan(dp_shard=2, micro_batch_size=2, activation_checkpointing="selective"), 4),
+                             ("deepseek-v2-lite", Plan(dp_shard=2, micro_batch_size=4, activation_checkpointing="full"), 8)):
+        args = resolve_model(model)[0]
+        assert evaluate(args, c, plan, 4096, gbs).time.total == pytest.approx(evaluate(args, d, plan, 4096, gbs).time.total,
+                                                                              rel=0.02)
