@@ -12,6 +12,7 @@ Groups (each fits one 10-minute device call on 2x H200):
   llama the anchors' HF + FSDP2 baseline (llama3-8b shape) and paraseek on deepseek-r1-distill-llama-8b.
   scale 7B weak scaling 1 -> 2 GPUs (same per-GPU batch), and the 16k / 32k sequence runs on 2 GPUs.
   v2lite the anchors' baseline on the V2-Lite shape (14 layers) at micro-batch 2 and 4, paraseek's best plan at each.
+  final llama-8b and 7B best plans against the baseline in the same call.
   weak  7B weak scaling 1 -> 2 GPUs with parameters kept gathered (same flags on both).
   llama_zero2  the llama-8b no-AC + compile run with parameters kept gathered from forward to backward.
   push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
@@ -278,6 +279,20 @@ def group_weak(out: Path) -> list[dict]:
                        "--reshard-after-forward", "false", "--scaling", f"1,{N}"], timeout=420)]
 
 
+def group_final(out: Path, anchors: str) -> list[dict]:
+    """The two dense acceptance shapes against the baseline in the same call: llama-8b (no AC, compiled, params kept
+    gathered) and the 7B (selective AC, compiled, params kept gathered), micro-batch 2 like the baseline."""
+    runs = []
+    for base_model, model, ac in (("llama3-8b", "deepseek-r1-distill-llama-8b", "none"),
+                                  ("deepseek-7b", "deepseek-llm-7b", "selective")):
+        runs.append(baseline(anchors, ["--model", base_model, "--seq", "4096", "--mbs", "2", "--ac", "1"]))
+        runs.append(bench_run(f"{model} {ac}-AC+compile mbs2 zero2", N,
+                              ["--model", model, "--seq-len", "4096", "--micro-batch-size", "2", "--global-batch-size",
+                               str(2 * N), "--activation-checkpointing", ac, "--compile", "--reshard-after-forward",
+                               "false"]))
+    return runs
+
+
 def group_attn(out: Path) -> list[dict]:
     """MLA's attention (V2-Lite: 16 heads, q/k 192, v 128, 2 x 4096 tokens) forward+backward through each SDPA kernel
     (flash needs v zero-padded to 192; FLOPs counted unpadded), and the host syncs left in one forward+backward of a 2-layer V2-Lite model (where each one comes from)."""
@@ -436,7 +451,8 @@ def main() -> None:
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
               "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
               "v2lite_push": group_v2lite_push}.get(g)
-        results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite}[g](out, a.anchors)
+        results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
+                                          "final": group_final}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for g, runs in results.items():
         print(f"== {g} results")

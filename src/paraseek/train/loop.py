@@ -203,6 +203,8 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     stage_ranks = [mesh.mesh[s].flatten().tolist() for s in range(cfg.pp)] if cfg.pp > 1 else None
     stage_group = _stage_group(stage_ranks) if stage_ranks else None
 
+    # Compiled, the fp32 cast, log-softmax and gather of the [tokens, vocab] logits fuse (no fp32 copies of them).
+    loss_fn = torch.compile(tp_loss) if cfg.compile and cfg.tp == 1 else tp_loss
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay,
                                   fused=device.type == "cuda" and not cfg.cpu_offload,
@@ -316,7 +318,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                 if cfg.loss_chunks:
                     token_losses = model(inputs, labels, cfg.loss_chunks)
                 else:
-                    token_losses = tp_loss(model(inputs), labels)
+                    token_losses = loss_fn(model(inputs), labels)
                 loss = faults.loss_hook(step, token_losses / tokens_per_rank_step)
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += local_value(loss).detach()
@@ -327,7 +329,8 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
             reduce_tp_grads(model)  # the tp-replicated weights (router, experts, MLA's latent path) got partial grads
         if scaler:
             scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(params, cfg.grad_clip, mesh["pp"].get_group() if cfg.pp > 1 else None)
+        grad_norm = clip_grad_norm(params, cfg.grad_clip, mesh["pp"].get_group() if cfg.pp > 1 else None,
+                                   optimizer if optimizer.defaults.get("fused") and scaler is None else None)
         dist.all_reduce(loss_sum)  # before the update now: --on-anomaly skip must know the loss first
         # Every tp rank of a dp rank holds the same loss; only the last pipeline stage holds it.
         loss_value = loss_sum.item() / (world // cfg.pp)
