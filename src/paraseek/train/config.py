@@ -105,7 +105,8 @@ _HELP = {
     "moe_aux_loss_alpha": "weight of the MoE balance loss (-1: the model's default; 0: off)",
     "plan": "'auto': run the plan `paraseek plan` predicts fastest (sets the dp degrees, micro-batch, "
             "checkpointing and offload)",
-    "hardware": "a `paraseek doctor --save` profile that --plan auto plans for",
+    "hardware": "a `paraseek doctor --save` (or `bench --calibrate`) profile: what --plan auto plans for, and "
+                "`paraseek bench`'s MFU against its measured GEMM ceiling",
     "model": "preset name (paraseek info lists them) or an HF model folder",
     "nproc": "processes on this node (default: one per GPU; 4 on CPU)",
     "dp_shard": "FSDP2 sharding degree (-1: the world size divided by the other degrees)",
