@@ -174,6 +174,8 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Throughput and weak-scaling efficiency vs GPUs; with the planner's predictions (known GPUs), also the
+    predicted memory and step-time breakdowns per GPU count as stacked bars, the measured totals marked on them."""
     try:
         import matplotlib
 
@@ -182,18 +184,41 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install matplotlib") from None
     gpus = [r["gpus"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    predicted = all(r["predicted"] for r in rows)
+    fig, axes = plt.subplots(1, 4 if predicted else 2, figsize=(22 if predicted else 10, 4))
+    a, b = axes[0], axes[1]
     a.plot(gpus, [r["tokens_per_s_per_gpu"] for r in rows], "o-", label="measured")
-    if all(r["predicted"] for r in rows):
+    if predicted:
         a.plot(gpus, [r["predicted"]["tokens_per_s_per_gpu"] for r in rows], "s--", label="predicted")
     a.set(xlabel="GPUs", ylabel="tokens/s/GPU", title=rows[0]["model"])
     a.legend()
     b.plot(gpus, [r["weak_scaling_efficiency"] * 100 for r in rows], "o-")
     b.set(xlabel="GPUs", ylabel="weak-scaling efficiency (%)", ylim=(0, 110))
+    if predicted:
+        _stacked(axes[2], rows, "memory_breakdown_gib", "mem_peak_gib", "GiB per GPU", "memory (predicted items)")
+        _stacked(axes[3], rows, "step_time_breakdown_s", "step_time_s", "seconds per step",
+                 "step time (predicted, exposed)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"plot: {path}", file=sys.stderr)
+
+
+def _stacked(ax, rows: list[dict[str, Any]], breakdown: str, measured: str, ylabel: str, title: str) -> None:
+    """One bar per GPU count stacking the predicted items (largest first), a black marker at the measured total."""
+    x = list(range(len(rows)))
+    keys = {k for r in rows for k in r["predicted"][breakdown]}
+    largest = {k: max(r["predicted"][breakdown].get(k, 0.0) for r in rows) for k in keys}
+    names = sorted((k for k, v in largest.items() if v > 0), key=lambda k: -largest[k])
+    bottom = [0.0] * len(rows)
+    for name in names:
+        heights = [r["predicted"][breakdown].get(name, 0.0) for r in rows]
+        ax.bar(x, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.plot(x, [r[measured] for r in rows], "k_", markersize=30, markeredgewidth=3, label="measured")
+    ax.set_xticks(x, [str(r["gpus"]) for r in rows])
+    ax.set(xlabel="GPUs", ylabel=ylabel, title=title)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def run_calibrate(ns: argparse.Namespace) -> int:

@@ -73,10 +73,16 @@ def _predict(cfg: TrainConfig) -> dict | None:
     plan = Plan(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, **pp_kw,
                 micro_batch_size=cfg.micro_batch_size, activation_checkpointing=cfg.activation_checkpointing,
                 cpu_offload=cfg.cpu_offload, reshard_after_forward=cfg.reshard_after_forward)
-    ev = evaluate(args, make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc), plan, cfg.seq_len,
-                  cfg.global_batch_size)
+    return prediction(evaluate(args, make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc), plan,
+                               cfg.seq_len, cfg.global_batch_size))
+
+
+def prediction(ev) -> dict:
+    """A planner evaluation (planner.search.Evaluated) as `paraseek bench` reports it beside the measurement."""
     return {"memory_gib": ev.memory.total / 2**30, "tokens_per_s_per_gpu": ev.tokens_per_s_per_gpu,
-            "step_time_s": ev.time.total if ev.time else None, "fits": not ev.reason}
+            "step_time_s": ev.time.total if ev.time else None, "fits": not ev.reason,
+            "memory_breakdown_gib": {k: v / 2**30 for k, v in ev.memory.items.items()},
+            "step_time_breakdown_s": dict(ev.time.items) if ev.time else {}}
 
 
 def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
