@@ -1,0 +1,128 @@
+"""The engine's hot-path operations: a plain-torch reference (CPU, tests, any dtype) and, on CUDA, the Triton kernels
+of `kernels.py` with the same contract. The engine calls only these names; `use_kernels(True)` switches them.
+
+Shape legend (the engine's, one for the whole infer package): N tokens in the step (flattened over sequences),
+B sequences, H query heads (local to this tp rank), G kv heads (local), D head dim, C MLA latent width
+(kv_lora_rank), R RoPE dims, S cache slots (num_blocks x block_size), M blocks per sequence in a block table,
+P positions in the RoPE table, F MLP width, E model width.
+
+KV cache layouts (one tensor per layer, slot = physical_block * block_size + offset):
+  MHA/GQA: k_SGD and v_SGD, [S, G, D] each.   MLA: c_SX, [S, C + R]: the normalized latent then the roped shared key.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_KERNELS = False
+
+
+def use_kernels(on: bool) -> None:
+    """Route the ops below to the Triton kernels (CUDA only). Off by default and on CPU."""
+    global _KERNELS
+    _KERNELS = on
+
+
+def kernels_on() -> bool:
+    return _KERNELS
+
+
+# ---- norms and activations -----------------------------------------------------------------------------------------
+def rms_norm(x_NE: torch.Tensor, w_E: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm: normalize in fp32, round to x's dtype, then scale by the weight (deepseek.RMSNorm)."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.rms_norm(x_NE, w_E, eps)
+    x32 = x_NE.float()
+    return w_E * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x_NE.dtype)
+
+
+def add_rms_norm(x_NE: torch.Tensor, residual_NE: torch.Tensor, w_E: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place (rounded to the residual's dtype, as the model's `h + f(h)`), then rms_norm(residual)."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.add_rms_norm(x_NE, residual_NE, w_E, eps)
+    residual_NE.add_(x_NE)
+    return rms_norm(residual_NE, w_E, eps)
+
+
+def silu_mul(gu_N2F: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's inner product from a fused [gate | up] projection: silu(gate) * up."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.silu_mul(gu_N2F)
+    gate, up = gu_N2F.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- RoPE -----------------------------------------------------------------------------------------------------------
+def rope_(x_NHR: torch.Tensor, cos_PR: torch.Tensor, sin_PR: torch.Tensor, positions_N: torch.Tensor,
+          interleave: bool) -> None:
+    """Rotate x in place at the given positions (cos/sin: fp32 tables [P, R/2], the YaRN attention factor folded
+    in). Adjacent pairs (interleave, DeepSeek MLA) are written back in half-split order, as deepseek.apply_rope
+    does: queries and keys get the same permutation, so q.k is unchanged. x may be a strided view (heads of a fused
+    projection); its last dim is contiguous."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.rope_(x_NHR, cos_PR, sin_PR, positions_N, interleave)
+    cos = cos_PR[positions_N][:, None, :].to(x_NHR.dtype)
+    sin = sin_PR[positions_N][:, None, :].to(x_NHR.dtype)
+    if interleave:
+        x1, x2 = x_NHR[..., 0::2], x_NHR[..., 1::2]
+    else:
+        x1, x2 = x_NHR.chunk(2, dim=-1)
+    x_NHR.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+# ---- paged decode attention ------------------------------------------------------------------------------------------
+def _gather_context(cache_S_: torch.Tensor, block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor,
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's cached rows [B, T, ...] (T = the longest context) and the [B, T] mask of valid ones."""
+    T = int(context_lens_B.max())
+    pos_T = torch.arange(T, device=cache_S_.device)
+    blocks_BT = block_tables_BM.long().gather(1, (pos_T // block_size).expand(len(block_tables_BM), T))
+    slots_BT = blocks_BT * block_size + pos_T % block_size
+    valid_BT = pos_T < context_lens_B[:, None]
+    return cache_S_[slots_BT.clamp(min=0) * valid_BT], valid_BT
+
+
+def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, block_tables_BM: torch.Tensor,
+                     context_lens_B: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """One query token per sequence against its paged K/V (its context_lens_B[b] cached tokens, the new one
+    included). Query head h reads kv head h // (H / G)."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.paged_decode_gqa(q_BHD, k_SGD, v_SGD, block_tables_BM, context_lens_B, block_size, scale)
+    k_BTGD, valid_BT = _gather_context(k_SGD, block_tables_BM, context_lens_B, block_size)
+    v_BTGD, _ = _gather_context(v_SGD, block_tables_BM, context_lens_B, block_size)
+    B, H, D = q_BHD.shape
+    G = k_BTGD.shape[2]
+    q_BGhD = q_BHD.view(B, G, H // G, D).float()
+    s_BGhT = torch.einsum("bghd,btgd->bght", q_BGhD, k_BTGD.float()) * scale
+    s_BGhT = s_BGhT.masked_fill(~valid_BT[:, None, None, :], float("-inf"))
+    o_BGhD = torch.einsum("bght,btgd->bghd", s_BGhT.softmax(-1), v_BTGD.float())
+    return o_BGhD.reshape(B, H, D).to(q_BHD.dtype)
+
+
+def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torch.Tensor, block_tables_BM: torch.Tensor,
+                     context_lens_B: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """MLA's absorbed decode (DeepSeek-V2 paper, sec. 2.1.2 and appendix C): one KV head shared by all H query
+    heads, key = [latent C | rope key R] and value = the latent C, so score = q_lat.c + q_pe.k_pe. Returns the
+    attention-weighted latent [B, H, C], which W_UV then maps to each head's value."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.paged_decode_mla(q_lat_BHC, q_pe_BHR, c_SX, block_tables_BM, context_lens_B, block_size, scale)
+    C = q_lat_BHC.shape[-1]
+    c_BTX, valid_BT = _gather_context(c_SX, block_tables_BM, context_lens_B, block_size)
+    c_BTX = c_BTX.float()
+    s_BHT = (torch.einsum("bhc,btc->bht", q_lat_BHC.float(), c_BTX[..., :C])
+             + torch.einsum("bhr,btr->bht", q_pe_BHR.float(), c_BTX[..., C:])) * scale
+    s_BHT = s_BHT.masked_fill(~valid_BT[:, None, :], float("-inf"))
+    return torch.einsum("bht,btc->bhc", s_BHT.softmax(-1), c_BTX[..., :C]).to(q_lat_BHC.dtype)
