@@ -1,0 +1,137 @@
+"""The paged KV cache: fixed-size blocks of token slots, a block table per sequence, reference counts, and a prefix
+cache of full blocks keyed by their contents (PagedAttention, Kwon et al. 2023; automatic prefix caching as vLLM's).
+
+Block 0 is never handed out: padded rows of a CUDA-graph batch write their K/V there.
+
+A full block is registered under the hash of (the previous block's hash, its token ids), so equal prefixes map to
+equal chains. A block whose last user finished stays cached until it is needed for new tokens; free blocks are
+reused least recently freed first, blocks that never held a full prefix before cached ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from paraseek.models.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The per-layer, per-token layout of this model's cache on one tp rank."""
+
+    n_layers: int
+    mla: bool
+    kv_heads: int  # local kv heads (MHA/GQA); 1 for MLA's shared latent
+    k_dim: int  # head dim (MHA/GQA) or kv_lora_rank + qk_rope_head_dim (MLA: latent then rope key)
+    v_dim: int  # head dim (MHA/GQA); 0 for MLA (the value is the latent itself)
+
+    @classmethod
+    def of(cls, a: ModelArgs, tp: int) -> CacheShape:
+        if a.is_mla:  # not split by heads: every tp rank holds the whole latent (as the planner assumes)
+            return cls(a.n_layers, True, 1, a.kv_lora_rank + a.qk_rope_head_dim, 0)
+        return cls(a.n_layers, False, max(a.n_kv_heads // tp, 1), a.head_dim, a.head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        elt = torch.empty((), dtype=dtype).element_size()
+        return self.n_layers * self.kv_heads * (self.k_dim + self.v_dim) * elt
+
+
+class KVCache:
+    """The cache tensors: per layer `k[l]` [S, G, D] and `v[l]` (MHA/GQA), or `k[l]` [S, C + R] (MLA), S = slots."""
+
+    def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
+        S = num_blocks * block_size
+        if shape.mla:
+            whole = torch.zeros((shape.n_layers, S, shape.k_dim), dtype=dtype, device=device)
+            self.k, self.v = list(whole), [None] * shape.n_layers
+        else:
+            whole = torch.zeros((shape.n_layers, 2, S, shape.kv_heads, shape.k_dim), dtype=dtype, device=device)
+            self.k, self.v = [w[0] for w in whole], [w[1] for w in whole]
+
+
+class BlockPool:
+    """Block ids 1..num_blocks-1 with reference counts and the prefix cache. Pure Python: the scheduler's."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError("the KV pool needs at least 2 blocks (block 0 is the padding block)")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks  # the prefix hash a block is registered under
+        self.cached: dict[int, int] = {}  # prefix hash -> block id
+        # Blocks with ref 0, first out first. Never-registered blocks go to the front, registered ones to the back.
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.hits = self.queries = 0  # prefix-cache hit rate, in blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self.free)} free")  # the scheduler checks first
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            if self.hash_of[b] is not None:  # evict its cached prefix
+                del self.cached[self.hash_of[b]]
+                self.hash_of[b] = None
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        # Last block first, so that a sequence's tail (the least shared part) is evicted before its head.
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.hash_of[b] is None:
+                    self.free.move_to_end(b, last=False)
+
+    # ---- the prefix cache -------------------------------------------------------------------------------------------
+    @staticmethod
+    def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Make a full block findable by later prompts (a second block with the same contents stays private)."""
+        if self.prefix_caching and block_hash not in self.cached and self.hash_of[block] is None:
+            self.cached[block_hash] = block
+            self.hash_of[block] = block_hash
+
+    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
+        """The longest chain of cached full blocks that starts `token_ids` (at most max_blocks), taken by the
+        caller (reference counts raised): (block ids, their hashes)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        if not self.prefix_caching:
+            return blocks, hashes
+        bs, parent = self.block_size, None
+        for i in range(max_blocks):
+            h = self.chain_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            b = self.cached.get(h)
+            self.queries += 1
+            if b is None:
+                break
+            self.hits += 1
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self.cached.items()):
+            self.hash_of[b] = None
+        self.cached.clear()

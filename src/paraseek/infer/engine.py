@@ -1,0 +1,369 @@
+"""The engine: load the model once, size the KV cache from the memory that is left, then step the scheduler.
+
+One `Engine` per model replica, on its first tp rank (the driver): it owns the scheduler and the sampler, builds
+each step's inputs and broadcasts them to the replica's other ranks, which only run the forward (`serve_worker`).
+`generate` is the offline loop; the server (serve/) calls `add_request`/`step`/`abort` from its own loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paraseek.errors import UserError
+from paraseek.infer import ops
+from paraseek.infer.cache import BlockPool, CacheShape
+from paraseek.infer.runner import HostBatch, ModelRunner
+from paraseek.infer.sampling import SampleRow, SamplingParams, sample
+from paraseek.infer.scheduler import Request, Scheduler, StepPlan
+
+GiB = 2**30
+
+
+@dataclass
+class EngineConfig:
+    """The engine's knobs (flags of `paraseek generate`/`serve`); defaults are what a single-GPU server wants."""
+
+    block_size: int = 16  # tokens per KV block: the paging and prefix-sharing granularity
+    max_num_seqs: int = 256  # running sequences at most (the largest decode batch)
+    max_batched_tokens: int = 8192  # tokens per step: bounds the prefill workspace; chunks long prompts
+    max_model_len: int | None = None  # prompt + output tokens per sequence; default min(model's, 32768)
+    gpu_memory_utilization: float = 0.9  # of the GPU's memory, for weights + workspace + graphs + KV cache
+    num_kv_blocks: int | None = None  # exact pool size (tests, reproducible capacity); overrides the memory rule
+    kv_cache_gib: float = 1.0  # CPU only: memory for the KV cache (the CPU has no free-memory measurement)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    seed: int = 0
+
+    def validate(self) -> None:
+        checks = [
+            (self.block_size in (8, 16, 32, 64, 128, 256), f"--block-size must be a power of two in 8..256, got {self.block_size}"),
+            (self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_batched_tokens >= 1, f"--max-batched-tokens must be >= 1, got {self.max_batched_tokens}"),
+            (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be >= 2, got {self.max_model_len}"),
+            (0 < self.gpu_memory_utilization <= 1,
+             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 2, f"--num-kv-blocks must be >= 2, got {self.num_kv_blocks}"),
+            (self.kv_cache_gib > 0, f"--kv-cache-gib must be positive, got {self.kv_cache_gib}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(msg)
+
+
+@dataclass
+class CacheReport:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+    weights_gib: float = 0.0
+    peak_gib: float = 0.0  # profiling peak (weights + largest step's workspace)
+    total_gib: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def line(self) -> str:
+        seqs = self.tokens / self.max_model_len
+        return (f"KV cache: {self.num_blocks - 1:,} blocks = {self.tokens:,} tokens = {seqs:,.1f} sequences of "
+                f"{self.max_model_len:,} tokens ({self.bytes_per_token:,} B/token, "
+                f"{self.tokens * self.bytes_per_token / GiB:.2f} GiB)")
+
+
+class Engine:
+    def __init__(self, model, cfg: EngineConfig, *, tokenizer=None, tp_group=None, meta_group=None,
+                 stop_token_ids: list[int] | None = None, log=print):
+        cfg.validate()
+        self.cfg, self.tokenizer, self.log = cfg, tokenizer, log
+        self.args = model.args
+        self.max_model_len = min(cfg.max_model_len or min(self.args.max_seq_len, 32768), self.args.max_seq_len)
+        if cfg.max_model_len and cfg.max_model_len > self.args.max_seq_len:
+            raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+                            f"{self.args.max_seq_len}")
+        self.tp_group, self.meta_group = tp_group, meta_group
+        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.runner = ModelRunner(model, self.max_model_len, cfg.block_size, tp_group)
+        self.device = self.runner.device
+        if self.device.type == "cuda":
+            ops.use_kernels(True)
+        self.shape = CacheShape.of(self.args, self.tp)
+        self.report = self._size_cache()
+        self.runner.allocate_cache(self.report.num_blocks, self.shape)
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            t0 = time.perf_counter()
+            self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths())
+            self.report.extra["graphs_s"] = time.perf_counter() - t0
+            self.report.extra["graphs"] = len(self.runner.graphs)
+        self.pool = BlockPool(self.report.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_batched_tokens, self.max_model_len)
+        if stop_token_ids is None:
+            stop_token_ids = list(getattr(tokenizer, "stop_token_ids", None) or
+                                  ([self.args.eos_token_id] if self.args.eos_token_id is not None else []))
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.num_generated = self.num_prompt_tokens = 0
+
+    # ---- KV cache sizing ----------------------------------------------------------------------------------------------
+    def _size_cache(self) -> CacheReport:
+        """Blocks from measured memory: after the weights, a profiling step at max_batched_tokens (the largest
+        prefill workspace) and a decode step at max_num_seqs (what the CUDA graphs keep), what is left under
+        gpu_memory_utilization goes to the cache. All tp ranks take the smallest count."""
+        cfg = self.cfg
+        per_token = self.shape.bytes_per_token(self.runner.dtype)
+        block_bytes = per_token * cfg.block_size
+        useful = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size) + 1  # more could never be used
+        rep = CacheReport(0, cfg.block_size, per_token, self.max_model_len)
+        if cfg.num_kv_blocks is not None:
+            rep.num_blocks = cfg.num_kv_blocks
+        elif self.device.type != "cuda":
+            rep.num_blocks = min(useful, max(2, int(cfg.kv_cache_gib * GiB // block_bytes) + 1))
+        else:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            weights = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self._profile_run()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            free, total = torch.cuda.mem_get_info()
+            non_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, NCCL, cuBLAS workspaces
+            budget = total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1
+            if budget < block_bytes * 2:
+                raise UserError(
+                    f"no memory left for the KV cache: weights {weights / GiB:.1f} GiB and a {cfg.max_batched_tokens}"
+                    f"-token step ({(peak - weights) / GiB:.1f} GiB) use the {cfg.gpu_memory_utilization:.0%} of "
+                    f"{total / GiB:.0f} GiB allowed; raise --gpu-memory-utilization, lower --max-batched-tokens, or "
+                    f"use more GPUs (--tp)")
+            rep.num_blocks = min(useful, int(budget // block_bytes) + 1)
+            rep.weights_gib, rep.peak_gib, rep.total_gib = weights / GiB, peak / GiB, total / GiB
+            rep.extra["non_torch_gib"] = non_torch / GiB
+        if self.tp_group is not None and self.tp > 1:
+            n = torch.tensor([rep.num_blocks], dtype=torch.int64)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.meta_group)
+            rep.num_blocks = int(n)
+        return rep
+
+    @torch.no_grad()
+    def _profile_run(self) -> None:
+        """The largest step the scheduler can build, run once on a scratch cache: max_batched_tokens of prefill in
+        sequences of up to max_model_len tokens, then max_num_seqs decodes with sampling."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        self.runner.allocate_cache(2, self.shape)
+        N = cfg.max_batched_tokens
+        lens, left = [], N
+        while left > 0:
+            n = min(left, self.max_model_len)
+            lens.append((n, n))
+            left -= n
+        zeros = np.zeros(N, dtype=np.int64)
+        pos = np.concatenate([np.arange(n) for n, _ in lens]) % bs  # slots of block 0 (scratch)
+        li = np.cumsum([n for n, _ in lens]) - 1
+        hb = HostBatch(zeros, pos, pos, 0, np.zeros((0, 1), np.int32), np.zeros(0, np.int32), lens, pos, li)
+        self.runner.run(hb)
+        B = cfg.max_num_seqs
+        hb = HostBatch(np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64), B,
+                       np.zeros((B, 1), np.int32), np.ones(B, np.int32), [], np.zeros(0, np.int64), np.arange(B))
+        logits = self.runner.run(hb)
+        sample(logits, [SampleRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [])] * B)
+        del logits
+        self.runner.cache = None
+
+    def _graph_batch_sizes(self) -> list[int]:
+        sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+        return [s for s in sizes if s < self.cfg.max_num_seqs] + [self.cfg.max_num_seqs]
+
+    def _graph_widths(self) -> list[int]:
+        """Block-table widths to capture: the decode kernel's grid grows with the width, so short contexts get a
+        narrow graph."""
+        most = math.ceil(self.max_model_len / self.cfg.block_size)
+        widths = [w for w in (2048 // self.cfg.block_size, 8192 // self.cfg.block_size) if w < most]
+        return widths + [most]
+
+    # ---- requests ---------------------------------------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise UserError if the request can never run: too long for the context or for the whole cache."""
+        params.validate()
+        if not prompt_ids:
+            raise UserError("the prompt is empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.args.vocab_size:
+            raise UserError(f"prompt token ids must be in 0..{self.args.vocab_size - 1}")
+        n = len(prompt_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise UserError(f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                            f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} to generate)")
+        need = math.ceil((n + params.max_tokens) / self.cfg.block_size)
+        if need > self.pool.num_blocks - 1:
+            raise UserError(f"the request needs {need} KV blocks but the whole cache holds {self.pool.num_blocks - 1}")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        self.check_request(prompt_ids, params)
+        if request_id in self.requests:
+            raise UserError(f"request id {request_id!r} is already running")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
+        req = Request(request_id, list(prompt_ids), params, frozenset(stop))
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.num_prompt_tokens += len(prompt_ids)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that received a token (finished ones included)."""
+        plan = self.scheduler.schedule()
+        if not plan.items:
+            return []
+        hb = self._host_batch(plan)
+        self._broadcast(hb)
+        logits = self.runner.run(hb)
+        items = [s for s in plan.items if s.sample]
+        rows = [self._sample_row(s.request) for s in items]
+        out = sample(logits, rows)
+        for s in plan.items:
+            s.request.num_computed = s.start + s.n
+        now = time.perf_counter()
+        touched = []
+        for i, s in enumerate(items):
+            req = s.request
+            tok = out.token_ids[i]
+            req.token_ids.append(tok)
+            if out.logprobs is not None and req.params.logprobs is not None:
+                req.logprobs.append(out.logprobs[i])
+                req.top_logprobs.append(out.top_logprobs[i])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.num_generated += 1
+            reason = self._finish_reason(req, tok)
+            if reason:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+            touched.append(req)
+        return touched
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        p = req.params
+        suppress = sorted(req.stop_ids) if req.num_output < p.min_tokens else []
+        return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress)
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        if tok in req.stop_ids and req.num_output >= req.params.min_tokens:
+            return "stop"
+        if req.num_output >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _host_batch(self, plan: StepPlan) -> HostBatch:
+        bs = self.cfg.block_size
+        ids, pos, slots, lens, k_slots, logits_idx, tables, ctx = [], [], [], [], [], [], [], []
+        row = 0
+        n_decode = 0
+        for s in plan.items:
+            req = s.request
+            blocks = np.asarray(req.blocks, dtype=np.int64)
+            p = np.arange(s.start, s.start + s.n)
+            ids.append(req.token_ids[s.start:s.start + s.n])
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            if s.n == 1 and not lens:
+                n_decode += 1
+                tables.append(req.blocks)
+                ctx.append(s.start + 1)
+            else:
+                ctx_p = np.arange(s.start + s.n)
+                k_slots.append(blocks[ctx_p // bs] * bs + ctx_p % bs)
+                lens.append((s.n, s.start + s.n))
+            row += s.n
+            if s.sample:
+                logits_idx.append(row - 1)
+        M = max((len(t) for t in tables), default=0)
+        bt = np.zeros((len(tables), max(M, 1)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = t
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        return HostBatch(np.asarray([t for x in ids for t in x], dtype=np.int64), cat(pos), cat(slots), n_decode, bt,
+                         np.asarray(ctx, dtype=np.int32), lens, cat(k_slots), np.asarray(logits_idx, dtype=np.int64))
+
+    def _broadcast(self, hb: HostBatch | None) -> None:
+        """Send the step to the replica's other tp ranks (None: tell them to stop)."""
+        if self.tp == 1:
+            return
+        flat = hb.pack() if hb is not None else torch.full((HostBatch.HEADER,), -1, dtype=torch.int64)
+        src = dist.get_global_rank(self.meta_group, 0)
+        dist.broadcast(torch.tensor([flat.numel()]), src=src, group=self.meta_group)
+        dist.broadcast(flat, src=src, group=self.meta_group)
+
+    def shutdown(self) -> None:
+        self._broadcast(None)
+
+    # ---- offline generation ---------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 progress: bool = False, ids: list[str] | None = None) -> list[Request]:
+        """All prompts to completion, in the order given."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = ids or [f"gen-{i}" for i in range(len(prompts))]
+        for p, sp in zip(prompts, params):
+            self.check_request(p, sp)
+        reqs = [self.add_request(rid, p, dataclasses.replace(sp)) for rid, p, sp in zip(ids, prompts, params)]
+        bar = _progress(len(reqs)) if progress else None
+        done = 0
+        while self.has_work():
+            for r in self.step():
+                if r.finish_reason:
+                    done += 1
+                    if bar:
+                        bar[0].update(bar[1], completed=done)
+        if bar:
+            bar[0].stop()
+        return reqs
+
+    def stats(self) -> dict:
+        pool = self.pool
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": pool.num_used, "kv_blocks_free": pool.num_free, "kv_blocks_total": pool.num_blocks - 1,
+            "prefix_cache_queries": pool.queries, "prefix_cache_hits": pool.hits,
+            "preemptions": self.scheduler.num_preemptions, "generated_tokens": self.num_generated,
+            "prompt_tokens": self.num_prompt_tokens,
+        }
+
+
+def serve_worker(runner: ModelRunner, meta_group) -> None:
+    """A tp rank other than the driver: run every step the driver broadcasts until it says stop."""
+    src = dist.get_global_rank(meta_group, 0)
+    while True:
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(n, src=src, group=meta_group)
+        flat = torch.empty(int(n), dtype=torch.int64)
+        dist.broadcast(flat, src=src, group=meta_group)
+        if int(flat[0]) < 0:
+            return
+        runner.run(HostBatch.unpack(flat))
+
+
+def _progress(total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rich.console import Console
+
+    bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=False)
+    bar.start()
+    return bar, bar.add_task("generate", total=total)

@@ -1,0 +1,202 @@
+"""Continuous batching (Orca, Yu et al. 2022) with chunked prefill (Sarathi, Agrawal et al. 2023) over the paged
+cache: every step spends a token budget on, in order, one token for each running decode, the next chunk of each
+running prefill, then new requests in arrival order while KV blocks and sequence slots are free.
+
+When a running request needs a block and none is free, the most recently admitted running request is preempted by
+recompute: its blocks are released (its full blocks stay in the prefix cache, so the recompute is mostly hits) and
+it goes back to the front of the waiting queue with its generated tokens kept. Nothing is ever allocated that the
+pool does not have, so a full cache slows requests down instead of ending the process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from paraseek.infer.cache import BlockPool
+from paraseek.infer.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int] = frozenset()  # the model's end tokens (unless ignore_eos) plus the request's own
+    arrival: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks registered so far
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # stop | length | abort
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+@dataclass
+class Scheduled:
+    """One request's share of a step: tokens [start, start + n) of its token_ids; `sample` when the chunk reaches
+    the last known token, so the step yields the request's next token."""
+
+    request: Request
+    start: int
+    n: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.n == len(self.request.token_ids)
+
+
+@dataclass
+class StepPlan:
+    items: list[Scheduled]  # single-token items (decodes) first, then multi-token prefill chunks
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.n for s in self.items)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, max_model_len: int):
+        self.pool = pool
+        self.max_num_seqs, self.max_batched_tokens, self.max_model_len = max_num_seqs, max_batched_tokens, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the first to be preempted
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_batched_tokens
+        decodes: list[Scheduled] = []
+        prefills: list[Scheduled] = []
+        preempted: list[Request] = []
+        scheduled: set[int] = set()
+        bs = self.pool.block_size
+
+        # 1. Running requests: decodes (one token) before unfinished prefills, each in admission order.
+        for want_decode in (True, False):
+            for req in list(self.running):
+                if req.status is not Status.RUNNING or id(req) in scheduled:
+                    continue
+                remaining = len(req.token_ids) - req.num_computed
+                if (remaining == 1) != want_decode or budget == 0:
+                    continue
+                n = min(remaining, budget)
+                need = self._blocks_needed(req, req.num_computed + n)
+                while need > self.pool.num_free:
+                    victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                    if victim is None:
+                        break
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.status is not Status.RUNNING or need > self.pool.num_free:
+                    continue
+                req.blocks += self.pool.allocate(need)
+                (decodes if want_decode else prefills).append(Scheduled(req, req.num_computed, n))
+                scheduled.add(id(req))
+                budget -= n
+
+        # 2. New (and preempted) requests, first come first served, only in a step that preempted nobody.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed == 0 and not req.blocks:
+                # Keep at least the last token to compute: its logits give the next token.
+                hit, hashes = self.pool.match_prefix(req.token_ids, (len(req.token_ids) - 1) // bs)
+                req.blocks, req.block_hashes, req.num_computed = hit, hashes, len(hit) * bs
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = req.num_computed
+            n = min(len(req.token_ids) - req.num_computed, budget)
+            need = self._blocks_needed(req, req.num_computed + n)
+            if need > self.pool.num_free:  # wait for blocks; give back the prefix hits until then
+                self.pool.release(req.blocks)
+                req.blocks, req.block_hashes, req.num_computed = [], [], 0
+                break
+            self.waiting.popleft()
+            req.blocks += self.pool.allocate(need)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            (decodes if n == 1 else prefills).append(Scheduled(req, req.num_computed, n))
+            scheduled.add(id(req))
+            budget -= n
+
+        items = decodes + prefills
+        for s in items:
+            self._register_full_blocks(s.request, s.start + s.n)
+        return StepPlan(items, preempted)
+
+    def _blocks_needed(self, req: Request, upto: int) -> int:
+        bs = self.pool.block_size
+        return max(0, -(-upto // bs) - len(req.blocks))
+
+    def _register_full_blocks(self, req: Request, upto: int) -> None:
+        """Blocks that this step fills become findable by later prompts (their K/V are written in this step's
+        forward, which runs before any later step's)."""
+        bs = self.pool.block_size
+        while len(req.block_hashes) < upto // bs:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            h = self.pool.chain_hash(parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            self.pool.register(req.blocks[i], h)
+            req.block_hashes.append(h)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.release(req.blocks)
+        req.blocks, req.block_hashes, req.num_computed = [], [], 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after the step -----------------------------------------------------------------------------------------
+    def finish(self, req: Request, reason: str) -> None:
+        """Release a request's blocks (running, waiting or being aborted); its full blocks stay cached."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.release(req.blocks)
+        req.blocks = []
+        req.status, req.finish_reason = Status.FINISHED, reason
