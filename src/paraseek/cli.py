@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     from paraseek.monitor.diagnose import register as register_diagnose
 
     register_diagnose(sub)
+    from paraseek.infer.cli import register as register_generate
+
+    register_generate(sub)
+    from paraseek.bench.infer import register as register_bench_infer
+
+    register_bench_infer(sub)
 
     demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus",
                           description="CPU: trains tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes with HSDP 2x2 "
@@ -135,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = list(argv) if argv is not None else sys.argv[1:]  # commands that re-launch themselves need it
     if getattr(ns, "seq_len", 1) is not None and getattr(ns, "seq_len", 1) <= 0:
         parser.exit(2, f"paraseek: error: --seq-len must be positive, got {ns.seq_len}\n")
     try:

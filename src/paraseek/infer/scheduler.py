@@ -43,6 +43,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     first_token_time: float | None = None
+    finish_time: float | None = None
     generator: torch.Generator | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -200,3 +201,4 @@ class Scheduler:
         self.pool.release(req.blocks)
         req.blocks = []
         req.status, req.finish_reason = Status.FINISHED, reason
+        req.finish_time = time.perf_counter()

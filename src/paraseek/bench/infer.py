@@ -1,0 +1,315 @@
+"""`paraseek bench-infer`: the engine's offline throughput (N requests, given or sampled lengths, outputs forced to
+their length), batch-1 latency (time to first token, ms per output token) and a concurrency sweep, each beside its
+roofline: a decode step cannot beat (weights it reads + the KV cache it reads) / HBM rate, a prefill cannot beat
+its FLOPs / the matmul rate. Both rates are measured at the start of the run on this GPU (a device-to-device copy,
+an 8192^3 bf16 GEMM), so the ratio is against this machine, not a datasheet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from paraseek.errors import UserError
+
+
+@dataclass
+class StepCost:
+    """The work of the steps run so far (from the engine's step inputs) and its roofline time."""
+
+    weight_bytes: float  # read by any step (dense part; experts by the share a batch touches)
+    expert_bytes: float
+    expert_frac: Any  # batch size -> share of routed-expert bytes a decode step of that size touches
+    kv_bytes_per_token: float
+    flops_per_token: float  # 2 x active params (matmuls), no attention
+    attn_flops_per_pair: float  # one query-key pair over all layers and heads (scores + values)
+    hbm: float  # B/s
+    matmul: float  # FLOP/s
+    floor_s: float = 0.0
+    steps: int = 0
+    log: list = field(default_factory=list)
+
+    def add(self, hb) -> float:
+        nd = hb.n_decode
+        ctx = float(hb.context_lens.sum()) if nd else 0.0
+        pre = sum(q for q, _ in hb.lens)
+        pairs = ctx + sum(q * k - q * (q - 1) / 2 for q, k in hb.lens)
+        n = nd + pre
+        bytes_ = self.weight_bytes + self.expert_bytes * self.expert_frac(n) + (ctx + sum(k for _, k in hb.lens)) \
+            * self.kv_bytes_per_token
+        flops = self.flops_per_token * n + self.attn_flops_per_pair * pairs
+        floor = max(bytes_ / self.hbm, flops / self.matmul)
+        self.floor_s += floor
+        self.steps += 1
+        return floor
+
+
+def measure_ceilings(device) -> dict[str, float]:
+    import torch
+
+    if device.type != "cuda":
+        return {"hbm_gbps": float("nan"), "matmul_tflops": float("nan")}
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)  # 1 GiB: far beyond L2
+    y = torch.empty_like(x)
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+
+    hbm = 2 * x.numel() / timed(lambda: y.copy_(x), 10)  # bytes read + written
+    del x, y
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    tflops = 2 * 8192**3 / timed(lambda: m @ m, 10) / 1e12
+    del m
+    torch.cuda.empty_cache()
+    return {"hbm_gbps": hbm / 1e9, "matmul_tflops": tflops}
+
+
+def step_cost(engine, ceilings: dict[str, float]) -> StepCost:
+    from paraseek.models.deepseek import Experts
+
+    a = engine.args
+    model = engine.runner.model
+    elt = engine.runner.dtype.itemsize
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    embed = model.embed_tokens.weight.numel()
+    dense = sum(p.numel() for p in model.parameters()) - experts - embed  # the embedding: one row per token
+    if getattr(model, "tp_head_w", None) is not None:
+        dense += model.tp_head_w.numel()
+    E, K = max(a.n_routed_experts, 1), a.n_activated_experts
+    frac = (lambda n: 1 - (1 - K / E) ** n) if a.n_routed_experts else (lambda n: 0.0)
+    active_experts = experts * (K / E) if a.n_routed_experts else 0
+    qk = a.kv_lora_rank + a.qk_rope_head_dim if a.is_mla else a.head_dim  # absorbed MLA decode reads the latent
+    v = a.kv_lora_rank if a.is_mla else a.head_dim
+    heads = a.n_heads // engine.tp
+    return StepCost(dense * elt, experts * elt, frac, engine.report.bytes_per_token, 2 * (dense + active_experts),
+                    2 * a.n_layers * heads * (qk + v), ceilings["hbm_gbps"] * 1e9, ceilings["matmul_tflops"] * 1e12)
+
+
+def _timed_engine(engine, cost: StepCost):
+    """Wrap the runner so each step's inputs are priced; returns the list of (wall_s, floor_s, n_decode, n_tokens)."""
+    run = engine.runner.run
+    log: list = []
+
+    def priced(hb):
+        t0 = time.perf_counter()
+        out = run(hb)
+        log.append([t0, cost.add(hb), hb.n_decode, len(hb.ids)])
+        return out
+
+    engine.runner.run = priced
+    return log
+
+
+def _lengths(spec: str, n: int, rng, what: str) -> list[int]:
+    try:
+        lo, _, hi = spec.partition(":")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise UserError(f"--{what} {spec!r}: expected N or LO:HI") from None
+    if not 1 <= lo <= hi:
+        raise UserError(f"--{what} {spec!r}: need 1 <= LO <= HI")
+    return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
+
+
+def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from paraseek.infer.sampling import SamplingParams
+
+    cost = step_cost(engine, ceilings)
+    plain_run = engine.runner.run
+    log = _timed_engine(engine, cost)
+    rng = np.random.default_rng(ns.seed)
+    V = engine.args.vocab_size
+    sync = (lambda: torch.cuda.synchronize()) if engine.device.type == "cuda" else (lambda: None)
+    out: dict[str, Any] = {}
+
+    def run(prompts, outs):
+        log.clear()
+        params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outs]
+        sync()
+        t0 = time.perf_counter()
+        reqs = engine.generate(prompts, params, progress=not ns.json and len(prompts) > 50)
+        sync()
+        wall = time.perf_counter() - t0
+        ends = [e[0] for e in log[1:]] + [t0 + wall]
+        for e, end in zip(log, ends):
+            e[0] = end - e[0]  # step wall time
+        return reqs, wall
+
+    workloads = [w.strip() for w in ns.workloads.split(",") if w.strip()]
+    for w in workloads:
+        if w not in ("latency", "throughput", "concurrency"):
+            raise UserError(f"--workloads: unknown {w!r}; expected latency, throughput, concurrency")
+    if "latency" in workloads:
+        rows = []
+        for _ in range(ns.reps + 1):  # the first repetition warms up
+            prompt = rng.integers(0, V, size=ns.latency_input).tolist()
+            reqs, wall = run([prompt], [ns.latency_output])
+            decode = [e for e in log if e[2] == 1 and e[3] == 1]
+            rows.append({"ttft_ms": (reqs[0].first_token_time - reqs[0].arrival) * 1e3,
+                         "ms_per_token": statistics.median(e[0] for e in decode) * 1e3,
+                         "roofline_ms_per_token": statistics.median(e[1] for e in decode) * 1e3, "wall_s": wall})
+        rows = rows[1:]
+        lat = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        lat.update(input_len=ns.latency_input, output_len=ns.latency_output, reps=ns.reps,
+                   roofline_fraction=lat["roofline_ms_per_token"] / lat["ms_per_token"])
+        out["latency"] = lat
+    if "throughput" in workloads:
+        n = ns.num_requests
+        ins, outs = _lengths(ns.input_len, n, rng, "input-len"), _lengths(ns.output_len, n, rng, "output-len")
+        prompts = [rng.integers(0, V, size=k).tolist() for k in ins]
+        pre0 = engine.scheduler.num_preemptions
+        reqs, wall = run(prompts, outs)
+        n_out, n_in = sum(r.num_output for r in reqs), sum(r.num_prompt for r in reqs)
+        floor = sum(e[1] for e in log)
+        ttft = sorted(r.first_token_time - r.arrival for r in reqs)
+        out["throughput"] = {
+            "requests": n, "input_len": ns.input_len, "output_len": ns.output_len, "input_tokens": n_in,
+            "output_tokens": n_out, "wall_s": wall, "output_tokens_per_s": n_out / wall,
+            "total_tokens_per_s": (n_in + n_out) / wall, "requests_per_s": n / wall, "steps": len(log),
+            "roofline_wall_s": floor, "roofline_fraction": floor / wall,
+            "preemptions": engine.scheduler.num_preemptions - pre0, "median_ttft_s": ttft[len(ttft) // 2],
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None,
+        }
+    if "concurrency" in workloads:
+        rows = []
+        for c in [int(x) for x in ns.concurrency.split(",")]:
+            if c > engine.cfg.max_num_seqs:
+                continue
+            prompts = [rng.integers(0, V, size=ns.concurrency_input).tolist() for _ in range(c)]
+            reqs, wall = run(prompts, [ns.concurrency_output] * c)
+            decode = [e for e in log if e[2] == c and e[3] == c]
+            step = statistics.median(e[0] for e in decode) if decode else float("nan")
+            floor = statistics.median(e[1] for e in decode) if decode else float("nan")
+            rows.append({"concurrency": c, "decode_ms_per_step": step * 1e3, "roofline_ms_per_step": floor * 1e3,
+                         "decode_tokens_per_s": c / step, "output_tokens_per_s": sum(r.num_output for r in reqs) / wall,
+                         "roofline_fraction": floor / step, "wall_s": wall})
+        out["concurrency"] = rows
+    engine.runner.run = plain_run
+    return out
+
+
+def cmd_bench_infer(ns: argparse.Namespace) -> int:
+    import torch
+
+    from paraseek.infer.cli import build_engine, check_parallel, device_for, engine_config, place
+    from paraseek.infer.load import resolve_source
+
+    src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
+    device = device_for(ns)
+    check_parallel(ns, src.args, device)
+    engine_config(ns)
+    if ns.tp * ns.dp > 1:
+        raise UserError("bench-infer measures one replica on one process for now; --tp/--dp are measured with "
+                        "`paraseek generate --tp N` timings")
+    if ns.reps < 1 or ns.num_requests < 1:
+        raise UserError("--reps and --num-requests must be >= 1")
+    pl = place(ns, device)
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    t0 = time.perf_counter()
+    engine = build_engine(ns, src, pl, log=log)
+    log(engine.report.line() + f" | load {engine.report.extra.get('load_s', 0):.1f} s, "
+        f"graphs {engine.report.extra.get('graphs', 0)} in {engine.report.extra.get('graphs_s', 0):.1f} s", flush=True)
+    ceilings = measure_ceilings(engine.device)
+    result = {"model": ns.model, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "torch": torch.__version__, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+              "engine": {"max_num_seqs": engine.cfg.max_num_seqs, "max_batched_tokens": engine.cfg.max_batched_tokens,
+                         "block_size": engine.cfg.block_size, "cuda_graphs": bool(engine.runner.graphs),
+                         "max_model_len": engine.max_model_len},
+              "kv_cache": {"blocks": engine.report.num_blocks - 1, "tokens": engine.report.tokens,
+                           "bytes_per_token": engine.report.bytes_per_token, "weights_gib": engine.report.weights_gib,
+                           "profile_peak_gib": engine.report.peak_gib, **engine.report.extra},
+              "ceilings": ceilings, "startup_s": time.perf_counter() - t0}
+    result.update(run_workloads(engine, ns, ceilings))
+    if ns.plot and result.get("concurrency"):
+        _plot(result["concurrency"], ns.plot, f"{ns.model} on {result['device']}")
+    if ns.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print(result)
+    return 0
+
+
+def _print(r: dict[str, Any]) -> None:
+    c = r["ceilings"]
+    print(f"bench-infer {r['model']} on {r['device']} ({r['dtype']}), HBM {c['hbm_gbps']:,.0f} GB/s, "
+          f"GEMM {c['matmul_tflops']:,.0f} TFLOP/s measured; KV cache {r['kv_cache']['tokens']:,} tokens")
+    if "latency" in r:
+        lat = r["latency"]
+        print(f"  latency (batch 1, {lat['input_len']} prompt + {lat['output_len']} new): TTFT {lat['ttft_ms']:.1f} ms, "
+              f"{lat['ms_per_token']:.2f} ms/token (roofline {lat['roofline_ms_per_token']:.2f} ms, "
+              f"{lat['roofline_fraction']:.0%})")
+    if "throughput" in r:
+        t = r["throughput"]
+        print(f"  throughput ({t['requests']} requests, input {t['input_len']}, output {t['output_len']}): "
+              f"{t['output_tokens_per_s']:,.0f} output tokens/s, {t['total_tokens_per_s']:,.0f} total tokens/s, "
+              f"{t['wall_s']:.1f} s (roofline {t['roofline_wall_s']:.1f} s, {t['roofline_fraction']:.0%}), "
+              f"preemptions {t['preemptions']}")
+    for row in r.get("concurrency", []):
+        print(f"  concurrency {row['concurrency']:>4}: {row['decode_ms_per_step']:.2f} ms/step, "
+              f"{row['decode_tokens_per_s']:,.0f} decode tokens/s (roofline {row['roofline_ms_per_step']:.2f} ms, "
+              f"{row['roofline_fraction']:.0%})")
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    cs = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(cs, [r["decode_tokens_per_s"] for r in rows], "o-", label="measured")
+    ax.plot(cs, [r["concurrency"] / r["roofline_ms_per_step"] * 1e3 for r in rows], "--", label="roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sequences")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def register(subparsers) -> None:
+    from paraseek.infer.cli import add_engine_arguments
+
+    p = subparsers.add_parser(
+        "bench-infer", help="inference throughput, latency and a concurrency sweep, each beside its roofline",
+        description="Measure the inference engine on random token prompts (outputs forced to their length): "
+        "batch-1 latency (TTFT, ms per output token), offline throughput of --num-requests requests with uniform "
+        "random lengths, and decode throughput per concurrency; each with the roofline from this GPU's measured "
+        "HBM and GEMM rates.")
+    add_engine_arguments(p)
+    p.add_argument("--workloads", default="latency,throughput,concurrency",
+                   help="comma list of latency, throughput, concurrency (default: all)")
+    p.add_argument("--num-requests", type=int, default=1000, help="throughput: requests (default 1000)")
+    p.add_argument("--input-len", default="64:1024", help="throughput: prompt tokens, N or LO:HI uniform (default 64:1024)")
+    p.add_argument("--output-len", default="64:512", help="throughput: new tokens, N or LO:HI uniform (default 64:512)")
+    p.add_argument("--latency-input", type=int, default=128, help="latency: prompt tokens (default 128)")
+    p.add_argument("--latency-output", type=int, default=256, help="latency: new tokens (default 256)")
+    p.add_argument("--reps", type=int, default=3, help="latency: measured repetitions after one warm-up (default 3)")
+    p.add_argument("--concurrency", default="1,8,32,64,128,256", help="concurrency sweep (default 1,8,32,64,128,256)")
+    p.add_argument("--concurrency-input", type=int, default=128, help="concurrency: prompt tokens (default 128)")
+    p.add_argument("--concurrency-output", type=int, default=128, help="concurrency: new tokens (default 128)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--plot", metavar="FILE.png", help="decode throughput vs concurrency with its roofline")
+    p.set_defaults(func=cmd_bench_infer)

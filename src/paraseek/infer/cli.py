@@ -1,0 +1,418 @@
+"""`paraseek generate`: offline batch generation through the engine; the engine and sampling flags it shares with
+`paraseek serve` and `paraseek bench-infer`; the set-up of one process per GPU (tp x dp) those commands use."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from paraseek.errors import UserError
+
+_WORKER_ENV = "PARASEEK_INFER_WORKER"
+
+
+# ---- flags ----------------------------------------------------------------------------------------------------------
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an HF model folder (config.json + *.safetensors + tokenizer), a paraseek training "
+                   "checkpoint folder (its newest complete step), or a preset name with --random-weights")
+    g = p.add_argument_group("model and parallelism")
+    g.add_argument("--random-weights", action="store_true",
+                   help="random weights of the architecture (benchmarks; no checkpoint needed)")
+    g.add_argument("--tokenizer", help="a tokenizer.json or a folder holding one (default: the model folder's, or the "
+                   "one a checkpoint was trained with)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="default: cuda when available")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per model replica (default 1)")
+    g.add_argument("--dp", type=int, default=1, help="model replicas (data parallel), each on --tp GPUs (default 1)")
+    g.add_argument("--seed", type=int, default=0, help="random weights' seed and the default sampling seed base")
+    e = p.add_argument_group("engine")
+    d = _engine_defaults()
+    e.add_argument("--max-model-len", type=int, help="prompt + output tokens per sequence (default: the model's "
+                   "max_position_embeddings, at most 32768)")
+    e.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
+    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"running sequences at most (default {d.max_num_seqs})")
+    e.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
+                   help=f"tokens per step; bounds the prefill workspace (default {d.max_batched_tokens})")
+    e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help=f"share of GPU memory for weights, workspace and KV cache (default {d.gpu_memory_utilization})")
+    e.add_argument("--num-kv-blocks", type=int, help="exact KV pool size in blocks (overrides the memory rule)")
+    e.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
+                   help=f"CPU only: memory for the KV cache (default {d.kv_cache_gib})")
+    e.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("sampling (defaults: the model folder's generation_config.json, else greedy)")
+    s.add_argument("--max-new-tokens", "--max-tokens", dest="max_tokens", type=int, default=128,
+                   help="new tokens per prompt at most (default 128)")
+    s.add_argument("--min-tokens", type=int, default=0, help="no stop token before this many new tokens")
+    s.add_argument("--temperature", type=float, help="0 = greedy")
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--sampling-seed", type=int, help="per-request seed (prompt i gets seed + i)")
+    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable); not part of the output")
+    s.add_argument("--stop-token-ids", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
+                   help="comma-separated token ids that end a sequence, besides the model's end token")
+    s.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (benchmarks)")
+    s.add_argument("--logprobs", type=int, help="also return the chosen token's and the N most likely log-probabilities")
+
+
+def _engine_defaults():
+    from paraseek.infer.engine import EngineConfig
+
+    return EngineConfig()
+
+
+def engine_config(ns: argparse.Namespace):
+    from paraseek.infer.engine import EngineConfig
+
+    cfg = EngineConfig(block_size=ns.block_size, max_num_seqs=ns.max_num_seqs, max_batched_tokens=ns.max_batched_tokens,
+                       max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
+                       num_kv_blocks=ns.num_kv_blocks, kv_cache_gib=ns.kv_cache_gib,
+                       enable_prefix_caching=not ns.no_prefix_caching, enforce_eager=ns.enforce_eager, seed=ns.seed)
+    cfg.validate()
+    return cfg
+
+
+def generation_defaults(src) -> tuple[dict[str, Any], str]:
+    """Sampling defaults from the model folder's generation_config.json (as HF generate and vLLM read it)."""
+    folder = src.path if src.kind in ("hf", "random") and src.path is not None else None
+    f = folder / "generation_config.json" if folder else None
+    if f is None or not f.is_file():
+        return {"temperature": 0.0}, "greedy (no generation_config.json)"
+    try:
+        gc = json.loads(f.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{f}: not valid JSON") from None
+    if not gc.get("do_sample", False):
+        return {"temperature": 0.0}, f"greedy ({f.name}: do_sample false)"
+    out = {k: gc[k] for k in ("temperature", "top_p", "top_k") if gc.get(k) is not None}
+    return out, f"{', '.join(f'{k} {v}' for k, v in out.items())} (from {f.name})"
+
+
+def sampling_params(ns: argparse.Namespace, defaults: dict[str, Any]):
+    from paraseek.infer.sampling import SamplingParams
+
+    pick = lambda name, fallback: getattr(ns, name) if getattr(ns, name) is not None else defaults.get(name, fallback)  # noqa: E731
+    return SamplingParams(
+        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=float(pick("temperature", 1.0)),
+        top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)), min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty, frequency_penalty=ns.frequency_penalty,
+        presence_penalty=ns.presence_penalty, seed=ns.sampling_seed, stop=list(ns.stop),
+        stop_token_ids=list(ns.stop_token_ids), ignore_eos=ns.ignore_eos, logprobs=ns.logprobs).validate()
+
+
+# ---- one process per GPU --------------------------------------------------------------------------------------------
+@dataclass
+class Placement:
+    """Where this process sits: its replica and tp rank, the device, the groups (None when alone)."""
+
+    rank: int = 0
+    world: int = 1
+    replica: int = 0
+    tp_rank: int = 0
+    device: str = "cpu"
+    tp_group: Any = None
+    meta_group: Any = None  # gloo, for the driver's step broadcast and small host-side collectives
+    world_gloo: Any = None
+
+    @property
+    def driver(self) -> bool:
+        return self.tp_rank == 0
+
+
+def device_for(ns: argparse.Namespace) -> str:
+    import torch
+
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible")
+    return "cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+
+
+def check_parallel(ns: argparse.Namespace, args, device: str) -> None:
+    from paraseek.infer.tp import check_tp
+
+    if ns.dp < 1:
+        raise UserError(f"--dp must be >= 1, got {ns.dp}")
+    check_tp(args, ns.tp)
+    if device == "cuda":
+        import torch
+
+        n = torch.cuda.device_count()
+        if ns.tp * ns.dp > n:
+            raise UserError(f"--tp {ns.tp} x --dp {ns.dp} = {ns.tp * ns.dp} GPUs, but {n} {'is' if n == 1 else 'are'} "
+                            f"visible")
+
+
+def relaunch(nproc: int, argv: list[str]) -> int:
+    """Run this very command again as `nproc` processes under torch.distributed.run (one per GPU), in this process
+    so that a failed worker comes back as an exit code and one line."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[_WORKER_ENV] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        run(get_args_parser().parse_args([f"--nproc-per-node={nproc}", "--standalone", "-m", "paraseek", *argv]))
+        return 0
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if 2 in codes:
+            return 2
+        rank, failure = e.get_first_failure()
+        how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        print(f"paraseek: rank {rank} failed first ({how}); all ranks were stopped", file=sys.stderr)
+        return 1
+
+
+def place(ns: argparse.Namespace, device: str) -> Placement:
+    """Join the process group when launched as one of several processes; tp groups are consecutive ranks."""
+    if os.environ.get(_WORKER_ENV) != "1" or "RANK" not in os.environ:
+        return Placement(device=device)
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if device == "cuda":
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        device = f"cuda:{local}"
+    else:
+        dist.init_process_group("gloo")
+    tp = ns.tp
+    pl = Placement(rank, world, rank // tp, rank % tp, device)
+    pl.world_gloo = dist.new_group(backend="gloo") if device != "cpu" else dist.group.WORLD
+    for r in range(world // tp):  # every rank creates every group, in the same order
+        ranks = list(range(r * tp, (r + 1) * tp))
+        g = dist.new_group(ranks)
+        mg = dist.new_group(ranks, backend="gloo") if device != "cpu" else g
+        if r == pl.replica:
+            pl.tp_group, pl.meta_group = (g, mg) if tp > 1 else (None, None)
+    return pl
+
+
+def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
+    """Load the weights (this rank's tp share), size the cache, capture graphs: the replica's Engine."""
+    import torch
+
+    from paraseek.infer.engine import Engine
+    from paraseek.infer.load import load_model
+
+    dtype = {"auto": torch.bfloat16 if pl.device.startswith("cuda") else torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}[ns.dtype]
+    t0 = time.perf_counter()
+    model = load_model(src, dtype=dtype, device=pl.device, seed=ns.seed)
+    if ns.tp > 1:
+        from paraseek.infer.tp import shard_model
+
+        shard_model(model, pl.tp_rank, ns.tp)
+        if pl.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    load_s = time.perf_counter() - t0
+    tokenizer = load_tokenizer(src)
+    engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
+                    log=log)
+    engine.report.extra["load_s"] = load_s
+    return engine
+
+
+def load_tokenizer(src):
+    if src.tokenizer is None:
+        return None
+    from paraseek.models.tokenizer import load_text_tokenizer
+
+    return load_text_tokenizer(src.tokenizer)
+
+
+# ---- generate -------------------------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    index: int
+    id: str
+    text: str | None  # as given (None for token-id prompts)
+    token_ids: list[int]
+    overrides: dict[str, Any]
+
+
+def read_prompts(ns: argparse.Namespace, tokenizer) -> list[Prompt]:
+    rows: list[dict[str, Any]] = [{"prompt": t} for t in ns.prompt or []]
+    if ns.prompts:
+        path = Path(ns.prompts)
+        if not path.is_file():
+            raise UserError(f"--prompts {path}: no such file")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{n}: expected an object with prompt, prompt_token_ids or messages")
+            rows.append(row)
+    if not rows:
+        raise UserError("nothing to generate: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    from paraseek.infer.sampling import SamplingParams
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    out = []
+    for i, row in enumerate(rows):
+        where = f"prompt {i + 1}" if ns.prompts is None else f"{ns.prompts} row {i + 1}"
+        overrides = {k: v for k, v in row.items() if k in fields}
+        if "max_new_tokens" in row:
+            overrides["max_tokens"] = row["max_new_tokens"]
+        unknown = set(row) - fields - {"prompt", "prompt_token_ids", "messages", "id", "max_new_tokens"}
+        if unknown:
+            raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r} (prompt, prompt_token_ids, messages, id, "
+                            f"or a sampling field such as max_tokens, temperature)")
+        if "prompt_token_ids" in row:
+            ids = row["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise UserError(f"{where}: prompt_token_ids must be a list of integers")
+            text = None
+        else:
+            if tokenizer is None:
+                raise UserError(f"{where}: text prompts need a tokenizer and this model has none; give --tokenizer, "
+                                f"or prompt_token_ids rows")
+            if "messages" in row or ns.chat:
+                messages = row.get("messages") or [{"role": "user", "content": row.get("prompt", "")}]
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            else:
+                text = row.get("prompt")
+                if not isinstance(text, str):
+                    raise UserError(f"{where}: prompt must be a string")
+                ids = tokenizer.encode(text)
+        out.append(Prompt(i, str(row.get("id", i)), text, ids, overrides))
+    return out
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from paraseek.infer.load import resolve_source
+
+    src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
+    device = device_for(ns)
+    check_parallel(ns, src.args, device)
+    tokenizer = load_tokenizer(src)
+    cfg = engine_config(ns)
+    defaults, why = generation_defaults(src)
+    base = sampling_params(ns, defaults)
+    prompts = read_prompts(ns, tokenizer)
+    params = []
+    max_len = min(cfg.max_model_len or min(src.args.max_seq_len, 32768), src.args.max_seq_len)
+    for p in prompts:
+        try:
+            sp = dataclasses.replace(base, **p.overrides).validate()
+        except TypeError as e:
+            raise UserError(f"prompt {p.index + 1}: {e}") from None
+        if ns.sampling_seed is not None and "seed" not in p.overrides:
+            sp.seed = ns.sampling_seed + p.index
+        if len(p.token_ids) + sp.max_tokens > max_len:
+            raise UserError(f"prompt {p.index + 1} has {len(p.token_ids)} tokens; with {sp.max_tokens} new tokens that "
+                            f"exceeds the context of {max_len} (--max-model-len, --max-new-tokens)")
+        params.append(sp)
+    world = ns.tp * ns.dp
+    if world > 1 and os.environ.get(_WORKER_ENV) != "1":
+        return relaunch(world, sys.argv[1:] if ns.argv is None else ns.argv)
+    pl = place(ns, device)
+    say = print if pl.rank == 0 else (lambda *a, **k: None)
+    say(f"generate: {src.spec} ({src.kind}), tokenizer: {src.tokenizer_why}; sampling: {why}; "
+        f"{len(prompts)} prompts, tp {ns.tp} x dp {ns.dp} on {device}", file=sys.stderr, flush=True)
+    engine = build_engine(ns, src, pl)
+    if pl.rank == 0:
+        print(engine.report.line(), file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    if pl.driver:
+        mine = [p for p in prompts if p.index % ns.dp == pl.replica]
+        reqs = engine.generate([p.token_ids for p in mine], [params[p.index] for p in mine],
+                               progress=pl.rank == 0 and not ns.quiet, ids=[p.id + f"#{p.index}" for p in mine])
+        engine.shutdown()
+        results = [_result(p, r, tokenizer) for p, r in zip(mine, reqs)]
+    else:
+        from paraseek.infer.engine import serve_worker
+
+        serve_worker(engine.runner, pl.meta_group)
+        results = []
+    wall = time.perf_counter() - t0
+    if pl.world > 1:
+        import torch.distributed as dist
+
+        gathered: list | None = [None] * pl.world if pl.rank == 0 else None
+        dist.gather_object(results, gathered, dst=0, group=pl.world_gloo)
+        if pl.rank != 0:
+            return _exit(0, pl)
+        results = sorted((x for part in gathered if part for x in part), key=lambda x: x["index"])
+    n_out = sum(r["completion_tokens"] for r in results)
+    for r in results:
+        if ns.json:
+            print(json.dumps(r, ensure_ascii=False), flush=True)
+        else:
+            head = r["prompt"] if r["prompt"] is not None else f"<{r['prompt_tokens']} token ids>"
+            print(f"--- {r['id']}: {head!r}\n{r['text'] if r['text'] is not None else r['token_ids']}\n", flush=True)
+    print(f"generate: {len(results)} prompts, {n_out:,} new tokens in {wall:.2f} s ({n_out / wall:,.1f} tokens/s"
+          f"{', replica 0' if ns.dp > 1 else ''}); preemptions {engine.scheduler.num_preemptions}", file=sys.stderr)
+    return _exit(0, pl)
+
+
+def _result(p: Prompt, r, tokenizer) -> dict[str, Any]:
+    text = tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens) if tokenizer else None
+    if text is not None and r.params.stop and getattr(r, "stop_text", None) is not None:
+        text = r.stop_text
+    out = {"index": p.index, "id": p.id, "prompt": p.text, "text": text, "token_ids": r.output_ids,
+           "finish_reason": r.finish_reason, "prompt_tokens": r.num_prompt, "completion_tokens": r.num_output,
+           "cached_prompt_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
+           "time_to_first_token_s": (r.first_token_time - r.arrival) if r.first_token_time else None,
+           "latency_s": (r.finish_time - r.arrival) if r.finish_time else None}
+    if r.params.logprobs is not None:
+        out["logprobs"] = r.logprobs
+        out["top_logprobs"] = [[[t, lp] for t, lp in row] for row in r.top_logprobs]
+    return out
+
+
+def _exit(rc: int, pl: Placement) -> int:
+    if pl.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=pl.world_gloo)
+        dist.destroy_process_group()
+    return rc
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="offline batch generation through the inference engine (paged KV cache, continuous batching)",
+        description="Generate for every prompt with the engine `paraseek serve` runs: paged KV cache sized from free "
+        "memory, continuous batching with chunked prefill, prefix caching, CUDA graphs for decode steps, tensor "
+        "parallel (--tp) and replicas (--dp). Prints each prompt's text, or with --json one JSON object per prompt "
+        "(text, token_ids, finish_reason, token counts, timing).")
+    add_engine_arguments(p)
+    add_sampling_arguments(p)
+    src = p.add_argument_group("prompts")
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help="one object per line: prompt (text), prompt_token_ids, or "
+                     "messages (a chat), plus optional id and sampling fields (max_tokens, temperature, ...)")
+    src.add_argument("--chat", action="store_true", help="render --prompt texts as user messages with the model's "
+                     "chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_generate, argv=None)
