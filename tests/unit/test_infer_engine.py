@@ -171,3 +171,30 @@ def test_requests_that_cannot_fit_are_refused(folders):
         engine.check_request(list(range(40)), SamplingParams(max_tokens=8))
     with pytest.raises(UserError, match="top_p"):
         engine.check_request([1, 2], SamplingParams(top_p=0))
+
+
+def test_stop_strings_cut_the_text_before_the_stop():
+    from paraseek.models import ModelArgs, build_model, preset_config
+    from paraseek.models.tokenizer import load_text_tokenizer
+    from paraseek.train.data import BUNDLED_TOKENIZER
+
+    tok = load_text_tokenizer(BUNDLED_TOKENIZER)
+    torch.manual_seed(0)
+    model = build_model(ModelArgs.from_hf_config(preset_config("tiny-dense")), "cpu", torch.float32).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in n else 0.0))
+    engine = Engine(model, EngineConfig(num_kv_blocks=64), tokenizer=tok, log=lambda *_: None)
+    ids = tok.encode("In the beginning God created")
+    free = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    text = tok.decode(free.output_ids)
+    stop = text[10:14]
+    r = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "\x00"]))[0]
+    assert r.finish_reason == "stop" and r.stream.text == text[:text.index(stop)]
+    assert len(r.output_ids) < len(free.output_ids)
+    r = engine.add_request("s", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), stream_text=True)
+    deltas = []
+    while engine.has_work():
+        engine.step()
+        deltas.append(r.stream.delta)
+    assert "".join(deltas) == tok.decode(r.output_ids) == r.stream.text

@@ -126,6 +126,16 @@ def _lengths(spec: str, n: int, rng, what: str) -> list[int]:
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 
+def sample_requests(n: int, input_len: str, output_len: str, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """The throughput workload: n (random prompt, output length) pairs, lengths uniform in the given ranges. A
+    function of its arguments alone, so the baselines (scripts/gpu/hf_requests_baseline.py) replay the same set."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ins, outs = _lengths(input_len, n, rng, "input-len"), _lengths(output_len, n, rng, "output-len")
+    return [(rng.integers(0, vocab, size=k).tolist(), o) for k, o in zip(ins, outs)]
+
+
 def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -173,10 +183,9 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
         out["latency"] = lat
     if "throughput" in workloads:
         n = ns.num_requests
-        ins, outs = _lengths(ns.input_len, n, rng, "input-len"), _lengths(ns.output_len, n, rng, "output-len")
-        prompts = [rng.integers(0, V, size=k).tolist() for k in ins]
+        pairs = sample_requests(n, ns.input_len, ns.output_len, V, ns.seed)
         pre0 = engine.scheduler.num_preemptions
-        reqs, wall = run(prompts, outs)
+        reqs, wall = run([p for p, _ in pairs], [o for _, o in pairs])
         n_out, n_in = sum(r.num_output for r in reqs), sum(r.num_prompt for r in reqs)
         floor = sum(e[1] for e in log)
         ttft = sorted(r.first_token_time - r.arrival for r in reqs)

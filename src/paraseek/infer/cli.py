@@ -375,9 +375,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _result(p: Prompt, r, tokenizer) -> dict[str, Any]:
-    text = tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens) if tokenizer else None
-    if text is not None and r.params.stop and getattr(r, "stop_text", None) is not None:
-        text = r.stop_text
+    if r.stream is not None:
+        text = r.stream.text
+    else:
+        text = tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens) if tokenizer else None
     out = {"index": p.index, "id": p.id, "prompt": p.text, "text": text, "token_ids": r.output_ids,
            "finish_reason": r.finish_reason, "prompt_tokens": r.num_prompt, "completion_tokens": r.num_output,
            "cached_prompt_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,

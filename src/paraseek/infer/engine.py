@@ -79,6 +79,37 @@ class CacheReport:
                 f"{self.tokens * self.bytes_per_token / GiB:.2f} GiB)")
 
 
+class TextStream:
+    """A request's text as its tokens arrive: incremental detokenization, then the stop strings (OpenAI excludes
+    the stop string; text that could still start one is held back). `delta` is what the last token added."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        from paraseek.models.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self.stops = StopStringMatcher(params.stop) if params.stop else None
+        self.text, self.delta = "", ""
+
+    def push(self, token_id: int) -> bool:
+        """Add a token; True when a stop string was reached."""
+        new = self.detok.push([token_id])
+        stopped = False
+        if self.stops is not None:
+            new, stopped = self.stops.feed(new)
+        self.delta = new
+        self.text += new
+        return stopped
+
+    def finish(self) -> None:
+        """The end of generation for another reason: release what was held back."""
+        rest = self.detok.flush()
+        if self.stops is not None:
+            rest, _ = self.stops.feed(rest)
+            rest += self.stops.flush()
+        self.delta += rest
+        self.text += rest
+
+
 class Engine:
     def __init__(self, model, cfg: EngineConfig, *, tokenizer=None, tp_group=None, meta_group=None,
                  stop_token_ids: list[int] | None = None, log=print):
@@ -204,12 +235,19 @@ class Engine:
         if need > self.pool.num_blocks - 1:
             raise UserError(f"the request needs {need} KV blocks but the whole cache holds {self.pool.num_blocks - 1}")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    stream_text: bool = False) -> Request:
+        """Queue a request. Its text is kept as it grows (`req.stream`) when asked or when it has stop strings;
+        stop strings need the tokenizer."""
         self.check_request(prompt_ids, params)
+        if params.stop and self.tokenizer is None:
+            raise UserError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already running")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
         req = Request(request_id, list(prompt_ids), params, frozenset(stop))
+        if self.tokenizer is not None and (stream_text or params.stop):
+            req.stream = TextStream(self.tokenizer, params)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
@@ -252,6 +290,14 @@ class Engine:
                 req.first_token_time = now
             self.num_generated += 1
             reason = self._finish_reason(req, tok)
+            if req.stream is not None:
+                if reason == "stop":  # an end token: no text of its own, but what was held back is released
+                    req.stream.delta = ""
+                    req.stream.finish()
+                elif req.stream.push(tok):
+                    reason = "stop"
+                elif reason:
+                    req.stream.finish()
             if reason:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)

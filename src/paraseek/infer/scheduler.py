@@ -47,6 +47,7 @@ class Request:
     generator: torch.Generator | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stream: object | None = None  # engine.TextStream when the text is kept as it grows
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,161 @@
+"""The inference table on the GPU machine in one call: the engine's GPU tests, `paraseek bench-infer` on the
+R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf16 weights), the seed's 512 x
+2,048-token stress case, and the baselines of ../shared/anchors (HF `generate`, gpt-fast) in the same call.
+
+    python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
+
+Groups: tests, llama8b, qwen, v2lite, stress, hf (HF generate on the same requests), hfstatic, gptfast.
+All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
+last lines printed are the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
+PY = sys.executable
+LLAMA, QWEN, V2LITE = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b", "deepseek-v2-lite"
+
+
+def sh(argv: list[str], timeout: int) -> tuple[int, str]:
+    t0 = time.time()
+    try:
+        r = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        rc, out, err = r.returncode, r.stdout, r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = 124, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
+    print(f"  [{time.time() - t0:.0f} s, rc {rc}] {' '.join(Path(x).name if '/' in x else x for x in argv[1:])[:170]}",
+          flush=True)
+    if rc:
+        print("\n".join((out + err).splitlines()[-12:]), flush=True)
+    return rc, out + ("\n" + err if err else "")
+
+
+def bench(out: Path, name: str, model: str, *flags: str, timeout: int = 480) -> dict:
+    rc, text = sh([PY, "-m", "paraseek", "bench-infer", model, "--random-weights", "--json",
+                   "--plot", str(out / f"{name}.png"), *flags], timeout)
+    start = text.find("{\n")
+    try:
+        r = json.loads(text[start:text.rfind("}") + 1]) if start >= 0 else {}
+    except json.JSONDecodeError:
+        r = {}
+    r.update(name=name, rc=rc, stderr_tail="\n".join(l for l in text.splitlines() if not l.startswith((" ", "{", "}")))[-2000:])
+    return r
+
+
+def group_tests(out: Path, anchors: str) -> list[dict]:
+    rc, text = sh([PY, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu/test_infer_kernels.py",
+                   "tests/gpu/test_infer_gpu.py"], 400)
+    (out / "tests.txt").write_text(text)
+    return [{"name": "gpu tests", "rc": rc, "summary": text.strip().splitlines()[-1] if text.strip() else ""}]
+
+
+def group_llama8b(out: Path, anchors: str) -> list[dict]:
+    return [bench(out, "llama8b", LLAMA, "--concurrency", "1,8,32,64,128,256")]
+
+
+def group_qwen(out: Path, anchors: str) -> list[dict]:
+    return [bench(out, "qwen", QWEN, "--workloads", "latency,throughput,concurrency", "--concurrency", "1,32,128,256")]
+
+
+def group_v2lite(out: Path, anchors: str) -> list[dict]:
+    r = bench(out, "v2lite", V2LITE, "--workloads", "latency,concurrency", "--concurrency", "64",
+              "--concurrency-input", "2048", "--concurrency-output", "128")
+    rc, text = sh([PY, "-m", "paraseek", "plan", "--mode", "infer", "--model", V2LITE, "--gpus", "1", "--gpu-type",
+                   "H200", "--seq-len", str(r.get("engine", {}).get("max_model_len", 32768)), "--json"], 120)
+    try:
+        r["plan_infer"] = json.loads(text[text.find("{"):text.rfind("}") + 1])
+    except json.JSONDecodeError:
+        r["plan_infer"] = None
+    return [r]
+
+
+def group_stress(out: Path, anchors: str) -> list[dict]:
+    """The seed's failure: R1-Distill-Qwen-1.5B, 512 concurrent requests of 2,048-token prompts."""
+    return [bench(out, "stress", QWEN, "--workloads", "throughput", "--num-requests", "512", "--input-len", "2048",
+                  "--output-len", "128", "--max-num-seqs", "512")]
+
+
+def hf(out: Path, name: str, *flags: str, timeout: int = 420) -> dict:
+    rc, text = sh([PY, "scripts/gpu/hf_requests_baseline.py", *flags], timeout)
+    line = next((l for l in text.splitlines() if l.startswith("HFREQ ")), None)
+    r = json.loads(line[6:]) if line else {}
+    r.update(name=name, rc=rc)
+    return r
+
+
+def group_hf(out: Path, anchors: str) -> list[dict]:
+    return [hf(out, "hf-llama8b", "--preset", LLAMA, "--batch", "64", "--requests", "128"),
+            hf(out, "hf-qwen", "--preset", QWEN, "--batch", "64", "--requests", "128"),
+            hf(out, "hf-v2lite", "--preset", V2LITE, "--batch", "64", "--fixed", "2048:32")]
+
+
+def group_hfstatic(out: Path, anchors: str) -> list[dict]:
+    rc, text = sh([PY, f"{anchors}/hf_generate_baseline.py", "--model", "llama8b", "--modes", "static",
+                   "--batches", "32"], 400)
+    (out / "hfstatic.txt").write_text(text)
+    return [{"name": "hf static (anchors)", "rc": rc, "lines": [l for l in text.splitlines() if l.startswith("HFGEN")]}]
+
+
+def group_gptfast(out: Path, anchors: str) -> list[dict]:
+    rc, text = sh([PY, f"{anchors}/gptfast_decode_peer.py", "--batches", "1", "--modes", "compile", "--new-tokens",
+                   "256", "--prompt-len", "128", "--samples", "3"], 480)
+    (out / "gptfast.txt").write_text(text)
+    return [{"name": "gpt-fast", "rc": rc, "lines": [l for l in text.splitlines() if l.startswith("GPTFAST")]}]
+
+
+def row(r: dict) -> str:
+    name = r.get("name")
+    if "lines" in r:
+        return f"{name:14} rc {r['rc']} " + " | ".join(" ".join(l.split()) for l in r["lines"])
+    if "summary" in r:
+        return f"{name:14} rc {r['rc']} {r['summary']}"
+    if "output_tokens_per_s" in r:
+        return (f"{name:14} rc {r['rc']} HF {r.get('mode')} B={r.get('batch')} {r['requests']} req: "
+                f"{r['output_tokens_per_s']:,.0f} out tok/s, decode {r.get('decode_tokens_per_s') or 0:,.0f} tok/s, "
+                f"peak {r.get('peak_memory_gib', 0):.1f} GiB")
+    parts = [f"{name:14} rc {r.get('rc')}"]
+    kv = r.get("kv_cache", {})
+    if kv:
+        parts.append(f"KV {kv.get('tokens', 0):,} tok")
+    if "latency" in r:
+        lat = r["latency"]
+        parts.append(f"B1 {lat['ms_per_token']:.2f} ms/tok (roof {lat['roofline_ms_per_token']:.2f}) TTFT "
+                     f"{lat['ttft_ms']:.0f} ms")
+    if "throughput" in r:
+        t = r["throughput"]
+        parts.append(f"tput {t['output_tokens_per_s']:,.0f} out tok/s in {t['wall_s']:.0f} s (roof "
+                     f"{t['roofline_fraction']:.0%}) preempt {t['preemptions']} peak {t.get('peak_memory_gib') or 0:.1f} GiB")
+    for c in r.get("concurrency", []):
+        parts.append(f"c{c['concurrency']} {c['decode_ms_per_step']:.1f} ms ({c['decode_tokens_per_s']:,.0f} tok/s)")
+    if r.get("plan_infer"):
+        parts.append("plan " + json.dumps(r["plan_infer"].get("plans", r["plan_infer"]))[:160])
+    return " | ".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("groups")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--anchors", default=str(ROOT / ".anchors"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for g in a.groups.split(","):
+        print(f"== {g}", flush=True)
+        results += globals()[f"group_{g}"](out, a.anchors)
+    (out / "summary.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n".join(row(r) for r in results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""`paraseek generate` and `bench-infer` as a user runs them: a JSON object per prompt with the model folder's own
+tokenizer; bad input costs one line and exit code 2 before any weight is loaded."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from paraseek.cli import main
+from paraseek.models import ModelArgs, build_model, preset_config, save_pretrained
+from paraseek.train.data import BUNDLED_TOKENIZER
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """tiny-dense with random weights and the bundled tokenizer, as an HF folder."""
+    d = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    save_pretrained(build_model(ModelArgs.from_hf_config(preset_config("tiny-dense")), "cpu", torch.float32), d)
+    shutil.copy(BUNDLED_TOKENIZER, d / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}))
+    return d
+
+
+@pytest.fixture
+def no_weights_loaded(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the input was checked")
+
+    monkeypatch.setattr("paraseek.infer.load.load_model", refuse)
+
+
+def test_generate_prints_one_json_object_per_prompt(folder, capsys):
+    rc = main(["generate", str(folder), "--prompt", "In the beginning", "--prompt", "The word", "--json", "--quiet",
+               "--max-new-tokens", "5", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["In the beginning", "The word"]
+    assert all(r["completion_tokens"] == 5 and len(r["token_ids"]) == 5 and r["finish_reason"] == "length"
+               for r in rows)
+    assert all(isinstance(r["text"], str) for r in rows)
+    assert "tokenizer: the model folder's" in err and "greedy" in err and "KV cache:" in err
+
+
+def test_generate_reads_jsonl_with_token_ids_and_overrides(folder, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 3, "id": "a"}) + "\n"
+                       + json.dumps({"prompt": "And God said", "temperature": 0.8, "seed": 3}) + "\n")
+    assert main(["generate", str(folder), "--prompts", str(prompts), "--json", "--quiet", "--ignore-eos",
+                 "--max-new-tokens", "4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0]["id"] == "a" and rows[0]["completion_tokens"] == 3 and rows[1]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-new-tokens", "600"], "exceeds the context of 512"),
+    (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads"),
+    (["--top-p", "2"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--block-size", "7"], "--block-size must be a power of two"),
+    (["--dp", "0"], "--dp must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(folder, argv, message, capsys, no_weights_loaded):
+    rc = main(["generate", str(folder), "--prompt", "hello", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_bad_sources_are_one_line(tmp_path, capsys, no_weights_loaded):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(preset_config("tiny-dense")))
+    cases = [
+        ([str(tmp_path / "cfg"), "--prompt", "x"], "no *.safetensors weights"),
+        (["tiny-dense", "--prompt", "x"], "is a preset, which has no weights"),
+        (["tiny-dense", "--random-weights", "--prompt", "x"], "text prompts need a tokenizer"),
+        ([str(tmp_path), "--prompt", "x"], "neither an HF model folder"),
+        (["tiny-dense", "--random-weights"], "nothing to generate"),
+    ]
+    for argv, message in cases:
+        assert main(["generate", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_infer_reports_every_workload(capsys):
+    rc = main(["bench-infer", "tiny-moe", "--random-weights", "--num-requests", "12", "--input-len", "4:40",
+               "--output-len", "2:12", "--latency-input", "16", "--latency-output", "8", "--reps", "1",
+               "--concurrency", "1,4", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["throughput"]["requests"] == 12 and r["throughput"]["output_tokens"] > 0
+    assert r["latency"]["ms_per_token"] > 0
+    assert [c["concurrency"] for c in r["concurrency"]] == [1, 4]
