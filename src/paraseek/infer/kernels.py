@@ -416,6 +416,24 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 LOG2E = 1.4426950408889634
 
 
+def _gqa_config(block_d: int, itemsize: int) -> dict:
+    """Token tile and launch config of the GQA partition kernel: K and V tiles of 64 tokens (16 KB each at D=128 in
+    bf16), double-buffered; wider rows (fp32 in the tests) get shorter tiles to stay inside shared memory."""
+    row_bytes = block_d * itemsize
+    block_n = 64 if row_bytes <= 256 else (32 if row_bytes <= 512 else 16)
+    return dict(BLOCK_N=block_n, num_warps=4, num_stages=2)
+
+
+def _mla_config(H: int, block_c: int, itemsize: int) -> dict:
+    """Head tile, token tile and launch config of the MLA partition kernel: 16 heads (tl.dot's minimum rows; the
+    fp32 accumulator [16, 512] is 64 registers a thread at 4 warps) and latent tiles of 32 tokens (32 KB at C=512
+    in bf16), double-buffered; fp32 (tests) gets 16-token tiles, single-buffered."""
+    row_bytes = block_c * itemsize
+    if row_bytes <= 1024:
+        return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
 def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, block_tables_BM: torch.Tensor,
                      context_lens_B: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     _check_block_size(block_size)
@@ -434,9 +452,7 @@ def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tens
     block_qh = min(max(16, _pow2(QH)), 64)  # tl.dot needs >= 16 rows; larger groups take several tiles
     head_tiles = triton.cdiv(QH, block_qh)
     block_d = max(16, _pow2(D))
-    itemsize = k_SGD.element_size()
-    # K and V tiles of 64 tokens (16 KB each at D=128 in bf16), double-buffered; fp32 (tests) halves the tile.
-    block_n = 64 if block_d * itemsize <= 256 else (32 if block_d * itemsize <= 512 else 16)
+    cfg = _gqa_config(block_d, k_SGD.element_size())
     n_parts = _num_partitions(block_tables_BM, block_size)
     direct = n_parts == 1
     if direct:
@@ -454,8 +470,7 @@ def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tens
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, QH, D,
         HEAD_TILES=head_tiles, BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        BLOCK_QH=block_qh, BLOCK_D=block_d, BLOCK_N=block_n, DIRECT=direct,
-        DOT_PREC=_dot_precision(q_BHD.dtype), num_warps=4, num_stages=2)
+        BLOCK_QH=block_qh, BLOCK_D=block_d, DIRECT=direct, DOT_PREC=_dot_precision(q_BHD.dtype), **cfg)
     if not direct:
         _combine(o_part, lse, context_lens_B, out_BHD)
     return out_BHD
@@ -475,12 +490,9 @@ def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torc
     if B == 0:
         return out_BHC
 
-    block_h = 16  # tl.dot's minimum rows; the accumulator [16, 512] fp32 is 64 registers a thread at 4 warps
     block_c = max(16, _pow2(C))
     block_r = max(16, _pow2(R))
-    itemsize = c_SX.element_size()
-    # The latent tile [BLOCK_N, 512] is 32 KB in bf16 at 32 tokens, double-buffered; fp32 (tests) halves it.
-    block_n = 32 if block_c * itemsize <= 1024 else 16
+    cfg = _mla_config(H, block_c, c_SX.element_size())
     n_parts = _num_partitions(block_tables_BM, block_size)
     direct = n_parts == 1
     if direct:
@@ -492,14 +504,13 @@ def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torc
         lse = torch.empty((B, H, n_parts), device=q_lat_BHC.device, dtype=torch.float32)
         strides_o = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
         strides_l = (lse.stride(0), lse.stride(1))
-    _mla_partition_kernel[(B, triton.cdiv(H, block_h), n_parts)](
+    _mla_partition_kernel[(B, triton.cdiv(H, cfg["BLOCK_H"]), n_parts)](
         q_lat_BHC, q_pe_BHR, c_SX, block_tables_BM, context_lens_B, o_part, lse,
         q_lat_BHC.stride(0), q_lat_BHC.stride(1), q_pe_BHR.stride(0), q_pe_BHR.stride(1), c_SX.stride(0),
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, H, C, R,
         BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n, DIRECT=direct,
-        DOT_PREC=_dot_precision(q_lat_BHC.dtype), num_warps=4, num_stages=1 if itemsize > 2 else 2)
+        BLOCK_C=block_c, BLOCK_R=block_r, DIRECT=direct, DOT_PREC=_dot_precision(q_lat_BHC.dtype), **cfg)
     if not direct:
         _combine(o_part, lse, context_lens_B, out_BHC)
     return out_BHC
