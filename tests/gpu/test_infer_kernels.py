@@ -214,6 +214,7 @@ MLA_CASES_INTERPRET = [
     (1, 128, 512, 64, 64, 2),  # V2/V3's 128 heads, one partition: the direct path
     (37, 4, 32, 8, 16, 24),  # tiny test model dims, batch 37
     (2, 4, 32, 8, 256, 66),  # past MAX_PARTITIONS x PARTITION tokens
+    (2, 96, 32, 8, 16, 20),  # two tiles of 64 heads, the second one half empty
 ]
 MLA_CASES_CUDA = [
     (3, 16, 512, 64, 16, 40),
@@ -224,6 +225,8 @@ MLA_CASES_CUDA = [
     (1, 128, 512, 64, 64, 2),
     (37, 4, 32, 8, 16, 24),
     (2, 16, 512, 64, 256, 80),  # past 16K tokens
+    (3, 96, 512, 64, 16, 40),  # two tiles of 64 heads, the second one half empty
+    (4, 32, 512, 64, 16, 40),  # V2 at tp=4
 ]
 MLA_CASES = MLA_CASES_CUDA if _CUDA else MLA_CASES_INTERPRET
 
