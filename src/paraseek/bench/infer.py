@@ -196,6 +196,8 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
             "roofline_wall_s": floor, "roofline_fraction": floor / wall,
             "preemptions": engine.scheduler.num_preemptions - pre0, "median_ttft_s": ttft[len(ttft) // 2],
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if engine.device.type == "cuda" else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if engine.device.type == "cuda" else None,
+            "memory_limit_gib": engine.cfg.gpu_memory_utilization * engine.report.total_gib,
         }
     if "concurrency" in workloads:
         rows = []

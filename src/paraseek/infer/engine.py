@@ -131,7 +131,11 @@ class Engine:
         self.runner.allocate_cache(self.report.num_blocks, self.shape)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             t0 = time.perf_counter()
-            self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths())
+            try:
+                self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths())
+            except RuntimeError as e:  # a kernel that cannot be captured: run eagerly, and say so
+                self.runner.graphs.clear()
+                log(f"warning: CUDA graphs off, decode runs eagerly ({str(e).splitlines()[0][:160]})")
             self.report.extra["graphs_s"] = time.perf_counter() - t0
             self.report.extra["graphs"] = len(self.runner.graphs)
         self.pool = BlockPool(self.report.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
