@@ -41,9 +41,11 @@ def _prompts(n, vocab, seed=0):
     return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(3, 300, (n,), generator=g)]
 
 
-@pytest.mark.parametrize("cfg", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("cfg", [GQA, dict(MLA, first_k_dense_replace=3)], ids=["gqa", "mla"])
 def test_kernels_and_graphs_equal_the_reference_path_fp32(cfg):
-    """fp32: the kernel path (eager and graph replay) gives the reference path's greedy tokens."""
+    """fp32: the kernel path (eager and graph replay) gives the reference path's greedy tokens. (Dense layers: in
+    fp32 the routed experts run the exact per-expert loop, which syncs with the host and is not captured; bf16 MoE
+    graphs are the next test's.)"""
     prompts = _prompts(12, cfg["vocab_size"])
     ref, _ = _run(cfg, torch.float32, kernels=False, eager=True, prompts=prompts)
     eager, _ = _run(cfg, torch.float32, kernels=True, eager=True, prompts=prompts)

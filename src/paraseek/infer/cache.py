@@ -40,17 +40,19 @@ class CacheShape:
 
 
 class KVCache:
-    """The cache tensors: per layer `k[l]` [S, G, D] and `v[l]` (MHA/GQA), or `k[l]` [S, C + R] (MLA), S = slots."""
+    """The cache tensors. MHA/GQA: per layer `kv[l]` [S, 2, G, D] (a token's K and V side by side, so one copy
+    writes both), with `k[l]`, `v[l]` its [S, G, D] views; MLA: `k[l]` [S, C + R]. S = slots."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, dtype: torch.dtype, device):
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
         S = num_blocks * block_size
         if shape.mla:
             whole = torch.zeros((shape.n_layers, S, shape.k_dim), dtype=dtype, device=device)
-            self.k, self.v = list(whole), [None] * shape.n_layers
+            self.kv, self.k, self.v = [None] * shape.n_layers, list(whole), [None] * shape.n_layers
         else:
-            whole = torch.zeros((shape.n_layers, 2, S, shape.kv_heads, shape.k_dim), dtype=dtype, device=device)
-            self.k, self.v = [w[0] for w in whole], [w[1] for w in whole]
+            whole = torch.zeros((shape.n_layers, S, 2, shape.kv_heads, shape.k_dim), dtype=dtype, device=device)
+            self.kv = list(whole)
+            self.k, self.v = [w[:, 0] for w in whole], [w[:, 1] for w in whole]
 
 
 class BlockPool:

@@ -321,35 +321,43 @@ class Engine:
         return None
 
     def _host_batch(self, plan: StepPlan) -> HostBatch:
+        """The step's int arrays: decodes (the leading one-token items) with plain ints, prefill chunks with numpy."""
         bs = self.cfg.block_size
-        ids, pos, slots, lens, k_slots, logits_idx, tables, ctx = [], [], [], [], [], [], [], []
-        row = 0
-        n_decode = 0
-        for s in plan.items:
+        items = plan.items
+        nd = 0
+        while nd < len(items) and items[nd].n == 1:
+            nd += 1
+        ids, pos, slots, logits_idx = [], [], [], []
+        for i, s in enumerate(items[:nd]):
+            req, p = s.request, s.start
+            ids.append(req.token_ids[p])
+            pos.append(p)
+            slots.append(req.blocks[p // bs] * bs + p % bs)
+            if s.sample:
+                logits_idx.append(i)
+        M = max((len(s.request.blocks) for s in items[:nd]), default=1)
+        bt = np.zeros((nd, M), dtype=np.int32)
+        for i, s in enumerate(items[:nd]):
+            bt[i, :len(s.request.blocks)] = s.request.blocks
+        ctx = np.asarray(pos, dtype=np.int32) + 1
+        ids_np, pos_np, slots_np = [np.asarray(ids, np.int64)], [np.asarray(pos, np.int64)], [np.asarray(slots, np.int64)]
+        lens, k_slots, row = [], [], nd
+        for s in items[nd:]:
             req = s.request
             blocks = np.asarray(req.blocks, dtype=np.int64)
             p = np.arange(s.start, s.start + s.n)
-            ids.append(req.token_ids[s.start:s.start + s.n])
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            if s.n == 1 and not lens:
-                n_decode += 1
-                tables.append(req.blocks)
-                ctx.append(s.start + 1)
-            else:
-                ctx_p = np.arange(s.start + s.n)
-                k_slots.append(blocks[ctx_p // bs] * bs + ctx_p % bs)
-                lens.append((s.n, s.start + s.n))
+            ids_np.append(np.asarray(req.token_ids[s.start:s.start + s.n], dtype=np.int64))
+            pos_np.append(p)
+            slots_np.append(blocks[p // bs] * bs + p % bs)
+            ctx_p = np.arange(s.start + s.n)
+            k_slots.append(blocks[ctx_p // bs] * bs + ctx_p % bs)
+            lens.append((s.n, s.start + s.n))
             row += s.n
             if s.sample:
                 logits_idx.append(row - 1)
-        M = max((len(t) for t in tables), default=0)
-        bt = np.zeros((len(tables), max(M, 1)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = t
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-        return HostBatch(np.asarray([t for x in ids for t in x], dtype=np.int64), cat(pos), cat(slots), n_decode, bt,
-                         np.asarray(ctx, dtype=np.int32), lens, cat(k_slots), np.asarray(logits_idx, dtype=np.int64))
+        return HostBatch(cat(ids_np), cat(pos_np), cat(slots_np), nd, bt, ctx, lens, cat(k_slots),
+                         np.asarray(logits_idx, dtype=np.int64))
 
     def _broadcast(self, hb: HostBatch | None) -> None:
         """Send the step to the replica's other tp ranks (None: tell them to stop)."""

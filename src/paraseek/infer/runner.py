@@ -175,17 +175,18 @@ class ModelRunner:
         H = attn.q_proj.weight.shape[0] // D
         G = attn.k_proj.weight.shape[0] // D
         q_NHD = qkv[:, :H * D].view(N, H, D)
-        k_NGD = qkv[:, H * D:(H + G) * D].view(N, G, D)
-        v_NGD = qkv[:, (H + G) * D:].view(N, G, D)
-        ops.rope_(q_NHD, self.cos_PR, self.sin_PR, b.positions, False)
-        ops.rope_(k_NGD, self.cos_PR, self.sin_PR, b.positions, False)
+        # q and k are adjacent in the fused output: one RoPE launch for both; k and v too: one cache write.
+        ops.rope_(qkv[:, :(H + G) * D].view(N, H + G, D), self.cos_PR, self.sin_PR, b.positions, False)
+        self.cache.kv[i].index_copy_(0, b.slots, qkv[:, H * D:].view(N, 2, G, D))
         k_SGD, v_SGD = self.cache.k[i], self.cache.v[i]
-        k_SGD.index_copy_(0, b.slots, k_NGD)
-        v_SGD.index_copy_(0, b.slots, v_NGD)
-        o_NHD = q_NHD.new_empty((N, H, D))
         nd = b.n_decode
+        if nd == N:  # decode-only (every CUDA-graph step): the kernel's output is the attention output
+            o_NHD = ops.paged_decode_gqa(q_NHD, k_SGD, v_SGD, b.block_tables, b.context_lens, self.block_size,
+                                         attn.softmax_scale)
+            return F.linear(o_NHD.view(N, H * D), attn.o_proj.weight, attn.o_proj.bias)
+        o_NHD = q_NHD.new_empty((N, H, D))
         if nd:
-            o_NHD[:nd] = ops.paged_decode_gqa(q_NHD[:nd].contiguous(), k_SGD, v_SGD, b.block_tables, b.context_lens,
+            o_NHD[:nd] = ops.paged_decode_gqa(q_NHD[:nd], k_SGD, v_SGD, b.block_tables, b.context_lens,
                                               self.block_size, attn.softmax_scale)
         if nd < N:
             o_NHD[nd:] = prefill_attention(q_NHD[nd:], k_SGD[b.k_slots], v_SGD[b.k_slots], b.cu_q, b.cu_k,
@@ -216,9 +217,8 @@ class ModelRunner:
             # Absorbed (DeepSeek-V2 appendix C): W_UK folded into the query, W_UV applied after attention, so the
             # keys and values are the cached latent itself: [H, nd, nope] @ [H, nope, C] -> [H, nd, C].
             q_lat_HnC = torch.bmm(q_NHX[:nd, :, :nope].transpose(0, 1), attn.w_uk_HDC)
-            o_lat_nHC = ops.paged_decode_mla(q_lat_HnC.transpose(0, 1).contiguous(), q_pe_NHR[:nd].contiguous(),
-                                             c_SX, b.block_tables, b.context_lens, self.block_size,
-                                             attn.softmax_scale)
+            o_lat_nHC = ops.paged_decode_mla(q_lat_HnC.transpose(0, 1), q_pe_NHR[:nd], c_SX, b.block_tables,
+                                             b.context_lens, self.block_size, attn.softmax_scale)
             o_NHV[:nd] = torch.bmm(o_lat_nHC.transpose(0, 1), attn.w_uv_HCV).transpose(0, 1)
         if nd < N:
             # Expanded (the model's own form): the context's latents through kv_b_proj to per-head keys and values.
