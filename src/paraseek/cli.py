@@ -88,7 +88,15 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     argv += ["--data", str(BUNDLED_CORPUS), "--metrics-jsonl", "runs/demo/metrics.jsonl",
              "--tensorboard", "runs/demo/tb", "--checkpoint-dir", "runs/demo/checkpoints"]
     print("paraseek demo: " + " ".join(["paraseek", *argv]), flush=True)
-    return main(argv)
+    rc = main(argv)
+    if rc != 0:
+        return rc
+    # train -> generate: a few lines from the checkpoint just written, through the inference engine.
+    gen = ["generate", "runs/demo/checkpoints", "--max-new-tokens", "24", "--temperature", "0.8", "--top-p", "0.95",
+           "--sampling-seed", "0", "--quiet",
+           "--prompt", "In the beginning", "--prompt", "And the LORD said unto", "--prompt", "CYNIC, n."]
+    print("paraseek demo: " + " ".join(["paraseek", *gen]), flush=True)
+    return main(gen)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,11 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     from paraseek.bench.infer import register as register_bench_infer
 
     register_bench_infer(sub)
+    from paraseek.serve.cli import register as register_serve
 
-    demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus",
+    register_serve(sub)
+
+    demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus, "
+                          "then text generated from its checkpoint",
                           description="CPU: trains tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes with HSDP 2x2 "
                           "on the bundled corpus. GPU: trains deepseek-r1-distill-qwen-1.5b on all GPUs with FSDP2. "
-                          "Metrics, TensorBoard and checkpoints go to runs/demo/.")
+                          "Metrics, TensorBoard and checkpoints go to runs/demo/. Then `paraseek generate` writes a "
+                          "few lines from the checkpoint through the inference engine.")
     demo.add_argument("--steps", type=int, default=0, help="optimizer steps (default 300 on CPU, 100 on GPU)")
     demo.set_defaults(func=cmd_demo)
     return p

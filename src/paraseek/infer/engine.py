@@ -399,7 +399,8 @@ class Engine:
             "kv_blocks_used": pool.num_used, "kv_blocks_free": pool.num_free, "kv_blocks_total": pool.num_blocks - 1,
             "prefix_cache_queries": pool.queries, "prefix_cache_hits": pool.hits,
             "preemptions": self.scheduler.num_preemptions, "generated_tokens": self.num_generated,
-            "prompt_tokens": self.num_prompt_tokens,
+            "prompt_tokens": self.num_prompt_tokens, "kv_usage": pool.num_used / max(pool.num_blocks - 1, 1),
+            "prefix_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
         }
 
 

@@ -1,0 +1,433 @@
+"""`paraseek serve`: the OpenAI API over the inference engine (FastAPI + uvicorn, as vLLM and SGLang serve).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream`), GET /v1/models, /health
+(503 until the engine is warm), /metrics (Prometheus). Every error is OpenAI's JSON object with the right status,
+and the server keeps serving after it. A client that disconnects cancels its request at once; the waiting queue is
+bounded (429 with Retry-After); SIGTERM stops admitting, lets running requests finish for --drain-timeout seconds,
+aborts the rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from paraseek.errors import UserError
+from paraseek.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+
+@dataclass
+class ServerState:
+    served_name: str
+    tokenizer: Any
+    max_model_len: int
+    api_key: str | None = None
+    max_queue: int = 512
+    request_timeout: float = 600.0
+    defaults: dict = field(default_factory=dict)  # sampling defaults (generation_config.json)
+    loop: Any = None  # EngineLoop once the engine is warm
+    metrics: Any = None
+    draining: bool = False
+    failed: str | None = None  # why the engine could not start
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def build_app(state: ServerState, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    app = FastAPI(title="paraseek", docs_url=None, redoc_url=None)
+
+    def error(status: int, message: str, type_: str = "invalid_request_error", param=None, headers=None):
+        if state.metrics is not None:
+            state.metrics.errors.labels(str(status)).inc()
+        return JSONResponse(error_body(message, type_, param, status), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})".strip())
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        param = ".".join(loc) or None
+        return error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+    @app.exception_handler(HTTPError)
+    async def on_http_error(request: Request, exc: HTTPError):
+        return error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}: {exc}"[:500], "server_error")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        if path.startswith("/v1/"):
+            if state.api_key is not None:
+                auth = request.headers.get("authorization", "")
+                if auth != f"Bearer {state.api_key}":
+                    return error(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > max_body_bytes:
+                return error(413, f"the request body is {int(length):,} bytes; the limit is {max_body_bytes:,}")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.failed:
+            return JSONResponse({"status": "failed", "reason": state.failed}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if state.loop is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.metrics is None:
+            return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(state.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.served_name, "object": "model", "created": state.created,
+                                            "owned_by": "paraseek", "max_model_len": state.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _ready(state, body.model)
+        prompts = _completion_prompts(body, state)
+        return await _run(state, request, body, prompts, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        _ready(state, body.model)
+        prompt_ids, text = _chat_prompt(body, state)
+        return await _run(state, request, body, [(prompt_ids, text)], chat=True)
+
+    app.state.paraseek = state
+    return app
+
+
+# ---- request -> engine ---------------------------------------------------------------------------------------------
+def _ready(state: ServerState, model: str) -> None:
+    if state.failed:
+        raise HTTPError(503, f"the engine failed to start: {state.failed}", "service_unavailable")
+    if state.draining:
+        raise HTTPError(503, "the server is shutting down", "service_unavailable")
+    if state.loop is None:
+        raise HTTPError(503, "the model is still loading", "service_unavailable", headers={"Retry-After": "5"})
+    if state.loop.error is not None:
+        raise HTTPError(503, f"the engine stopped: {type(state.loop.error).__name__}: {state.loop.error}",
+                        "service_unavailable")
+    if model != state.served_name:
+        raise HTTPError(404, f"The model `{model}` does not exist; this server serves `{state.served_name}`",
+                        "not_found_error", "model")
+
+
+def _completion_prompts(body, state: ServerState) -> list[tuple[list[int], str | None]]:
+    p = body.prompt
+    if isinstance(p, str):
+        p = [p]
+    elif p and isinstance(p[0], int):
+        p = [p]
+    if not p:
+        raise HTTPError(400, "prompt is empty", param="prompt")
+    out = []
+    for x in p:
+        if isinstance(x, str):
+            if state.tokenizer is None:
+                raise HTTPError(400, "this model has no tokenizer: send prompt as token ids", param="prompt")
+            out.append((state.tokenizer.encode(x), x))
+        else:
+            out.append((list(x), None))
+    return out
+
+
+def _chat_prompt(body, state: ServerState) -> tuple[list[int], str]:
+    if state.tokenizer is None:
+        raise HTTPError(400, "this model has no tokenizer, so no chat template", param="messages")
+    messages = []
+    for m in body.messages:
+        d = m.model_dump(exclude_none=True)
+        content = d.get("content")
+        if isinstance(content, list):  # OpenAI content parts: the text ones, joined
+            texts = [part.get("text", "") for part in content if part.get("type") == "text"]
+            if len(texts) != len(content):
+                raise HTTPError(400, "only text content parts are supported", param="messages")
+            d["content"] = "".join(texts)
+        elif content is None and "tool_calls" not in d:
+            d["content"] = ""
+        messages.append(d)
+    try:
+        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                   tools=body.tools, **(body.chat_template_kwargs or {}))
+    except UserError as e:
+        raise HTTPError(400, str(e), param="messages") from None
+    return state.tokenizer.encode(text, add_special_tokens=False), text
+
+
+def _params(body, state: ServerState, prompt_len: int, chat: bool, index: int):
+    from paraseek.infer.sampling import SamplingParams
+
+    d = state.defaults
+    max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+    if max_tokens is None:  # OpenAI's default for completions is 16; chat runs to the context's end
+        max_tokens = min(16, state.max_model_len - prompt_len) if not chat else state.max_model_len - prompt_len
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if chat:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    seed = body.seed + index if body.seed is not None else None
+    sp = SamplingParams(
+        max_tokens=max_tokens, min_tokens=body.min_tokens,
+        temperature=_pick(body.temperature, d.get("temperature"), 1.0), top_p=_pick(body.top_p, d.get("top_p"), 1.0),
+        top_k=_pick(body.top_k, d.get("top_k"), 0), min_p=_pick(body.min_p, None, 0.0),
+        repetition_penalty=_pick(body.repetition_penalty, None, 1.0),
+        frequency_penalty=_pick(body.frequency_penalty, None, 0.0),
+        presence_penalty=_pick(body.presence_penalty, None, 0.0), seed=seed, stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens)
+    try:
+        return sp.validate()
+    except UserError as e:
+        raise HTTPError(400, str(e)) from None
+
+
+def _pick(value, default, fallback):
+    return value if value is not None else (default if default is not None else fallback)
+
+
+async def _run(state: ServerState, request, body, prompts: list[tuple[list[int], str | None]], chat: bool):
+    loop = state.loop
+    engine = loop.engine
+    n = body.n
+    subs = []  # (choice index, request id, prompt index, params)
+    base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    for pi, (ids, _) in enumerate(prompts):
+        for j in range(n):
+            params = _params(body, state, len(ids), chat, j)
+            try:
+                engine.check_request(ids, params)
+            except UserError as e:
+                raise HTTPError(400, str(e), param="messages" if chat else "prompt") from None
+            subs.append((pi * n + j, f"{base}-{pi * n + j}", pi, params))
+    if loop.waiting() + len(subs) > state.max_queue:
+        raise HTTPError(429, f"the server's queue is full ({state.max_queue} waiting requests); retry shortly",
+                        "rate_limit_error", headers={"Retry-After": "1"})
+    out: asyncio.Queue = asyncio.Queue()
+    for index, rid, pi, params in subs:
+        loop.submit(rid, prompts[pi][0], params, out, index)
+    ids = [rid for _, rid, _, _ in subs]
+    render = _Renderer(state, body, prompts, subs, chat, base)
+    deadline = time.perf_counter() + state.request_timeout
+    if body.stream:
+        gen = _stream(state, request, out, render, ids, deadline)
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        done = 0
+        while done < len(subs):
+            item = await _next(out, request, deadline)
+            if item is None:  # the client went away
+                return JSONResponse({}, status_code=499)
+            index, delta = item
+            render.add(index, delta)
+            done += delta.finished
+        return render.response()
+    finally:
+        for rid in ids:
+            loop.abort(rid)  # no-op for finished requests
+
+
+async def _next(out: asyncio.Queue, request, deadline: float):
+    """The next (choice, Delta); None if the client disconnected; HTTPError 504 past the request timeout."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise HTTPError(504, "the request took longer than the server's --request-timeout", "timeout")
+        try:
+            item = await asyncio.wait_for(out.get(), timeout=min(left, 0.5))
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+            continue
+        if isinstance(item, BaseException):
+            raise HTTPError(400 if isinstance(item, UserError) else 500, str(item),
+                            "invalid_request_error" if isinstance(item, UserError) else "server_error")
+        return item
+
+
+async def _stream(state: ServerState, request, out, render, ids, deadline):
+    loop = state.loop
+    try:
+        yield from_json(render.first_chunk()) if render.chat else ""
+        done = 0
+        while done < len(ids):
+            try:
+                item = await _next(out, request, deadline)
+            except HTTPError as e:
+                yield from_json(error_body(e.message, e.type, e.param, e.status))
+                break
+            if item is None:
+                break
+            index, delta = item
+            done += delta.finished
+            chunk = render.chunk(index, delta)
+            if chunk is not None:
+                yield from_json(chunk)
+        else:
+            usage = render.usage_chunk()
+            if usage is not None:
+                yield from_json(usage)
+            yield "data: [DONE]\n\n"
+    finally:  # also when the client disconnects mid-stream (the generator is cancelled): free its blocks now
+        for rid in ids:
+            loop.abort(rid)
+
+
+def from_json(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n" if obj else ""
+
+
+class _Renderer:
+    """Engine deltas -> OpenAI response objects (whole, or SSE chunks)."""
+
+    def __init__(self, state, body, prompts, subs, chat, base):
+        self.state, self.body, self.prompts, self.chat, self.id = state, body, prompts, chat, base
+        self.created = int(time.time())
+        self.n_choices = len(subs)
+        self.text = [""] * self.n_choices
+        self.tokens: list[list[int]] = [[] for _ in subs]
+        self.lps: list[list] = [[] for _ in subs]
+        self.finish: list[str | None] = [None] * self.n_choices
+        self.prompt_of = [pi for _, _, pi, _ in subs]
+        tok = state.tokenizer
+        self.splitters = [None] * self.n_choices
+        self.reasoning = [""] * self.n_choices
+        self.echoed = [False] * self.n_choices
+        if chat and tok is not None:
+            from paraseek.models.tokenizer import ReasoningStreamSplitter
+
+            rendered = prompts[0][1] or ""
+            inside = rendered.rstrip().endswith("<think>")
+            self.splitters = [ReasoningStreamSplitter(starts_in_reasoning=inside) for _ in subs]
+
+    def _split(self, i: int, text: str, final: bool) -> tuple[str, str]:
+        sp = self.splitters[i]
+        if sp is None:
+            return "", text
+        r, c = sp.feed(text)
+        if final:
+            r2, c2 = sp.flush()
+            r, c = r + r2, c + c2
+        return r, c
+
+    def add(self, i: int, d) -> tuple[str, str]:
+        """Record a delta; returns its (reasoning, content) text."""
+        r, c = self._split(i, d.text, d.finished)
+        self.reasoning[i] += r
+        self.text[i] += c
+        self.tokens[i] += d.token_ids
+        self.lps[i] += list(zip(d.token_ids, d.logprobs, d.top_logprobs)) if d.logprobs else []
+        if d.finished:
+            self.finish[i] = _reason(d.finish_reason)
+        return r, c
+
+    def _logprobs(self, entries, offset: int = 0):
+        tok = self.state.tokenizer
+        name = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok else str
+        if self.chat:
+            return {"content": [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode()),
+                                 "top_logprobs": [{"token": name(a), "logprob": b, "bytes": list(name(a).encode())}
+                                                  for a, b in top]} for t, lp, top in entries]}
+        tokens = [name(t) for t, _, _ in entries]
+        offsets, pos = [], offset
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{name(a): b for a, b in top} for _, _, top in entries], "text_offset": offsets}
+
+    def _usage(self) -> dict:
+        prompt = sum(len(ids) for ids, _ in self.prompts)
+        completion = sum(len(t) for t in self.tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def response(self) -> dict:
+        choices = []
+        for i in range(self.n_choices):
+            want_lp = self.body.logprobs if self.chat else self.body.logprobs is not None
+            if self.chat:
+                msg = {"role": "assistant", "content": self.text[i]}
+                if self.splitters[i] is not None and (self.reasoning[i] or self.splitters[i].state != "start"):
+                    msg["reasoning_content"] = self.reasoning[i] or None
+                choices.append({"index": i, "message": msg, "logprobs": self._logprobs(self.lps[i]) if want_lp else None,
+                                "finish_reason": self.finish[i]})
+            else:
+                echo = (self.prompts[self.prompt_of[i]][1] or "") if self.body.echo else ""
+                choices.append({"index": i, "text": echo + self.text[i],
+                                "logprobs": self._logprobs(self.lps[i], len(echo)) if want_lp else None,
+                                "finish_reason": self.finish[i]})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.state.served_name, "choices": choices, "usage": self._usage()}
+
+    def first_chunk(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.state.served_name,
+                "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(self.n_choices)]}
+
+    def chunk(self, i: int, d) -> dict | None:
+        r, c = self.add(i, d)
+        lp = list(zip(d.token_ids, d.logprobs, d.top_logprobs)) if d.logprobs else []
+        finish = self.finish[i] if d.finished else None
+        head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.state.served_name}
+        if self.chat:
+            delta = {}
+            if r:
+                delta["reasoning_content"] = r
+            if c:
+                delta["content"] = c
+            if not delta and finish is None and not lp:
+                return None
+            return {**head, "choices": [{"index": i, "delta": delta, "logprobs": self._logprobs(lp) if lp else None,
+                                         "finish_reason": finish}]}
+        if self.body.echo and not self.echoed[i]:
+            c = (self.prompts[self.prompt_of[i]][1] or "") + c
+            self.echoed[i] = True
+        if not c and finish is None and not lp:
+            return None
+        return {**head, "choices": [{"index": i, "text": c, "logprobs": self._logprobs(lp) if lp else None,
+                                     "finish_reason": finish}]}
+
+    def usage_chunk(self) -> dict | None:
+        opts = self.body.stream_options
+        if opts is None or not opts.include_usage:
+            return None
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.state.served_name, "choices": [], "usage": self._usage()}
+
+
+def _reason(engine_reason: str | None) -> str | None:
+    return {"stop": "stop", "length": "length"}.get(engine_reason or "", engine_reason)

@@ -1,0 +1,181 @@
+"""`paraseek serve MODEL`: check everything, start the HTTP server at once (/health says "loading"), build the engine
+on its own thread, serve until SIGTERM/SIGINT, drain, exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+from paraseek.errors import UserError
+
+
+def _check(ns: argparse.Namespace) -> None:
+    checks = [
+        (0 < ns.port < 65536, f"--port must be in 1..65535, got {ns.port}"),
+        (ns.max_queue >= 1, f"--max-queue must be >= 1, got {ns.max_queue}"),
+        (ns.drain_timeout >= 0, f"--drain-timeout must be >= 0 seconds, got {ns.drain_timeout}"),
+        (ns.request_timeout > 0, f"--request-timeout must be > 0 seconds, got {ns.request_timeout}"),
+        (ns.max_body_bytes >= 1024, f"--max-body-bytes must be >= 1024, got {ns.max_body_bytes}"),
+        (ns.dp == 1, "paraseek serve runs one replica per server for now: start one server per --tp group of GPUs "
+                     "(CUDA_VISIBLE_DEVICES) and balance across them"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
+    for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):
+        try:
+            __import__(mod)
+        except ImportError:
+            raise UserError(f"paraseek serve needs {mod}: pip install 'paraseek[serve]'") from None
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import os
+
+    from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_parallel, device_for, engine_config,
+                                    generation_defaults, load_tokenizer, place, relaunch)
+    from paraseek.infer.load import resolve_source
+
+    _check(ns)
+    src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
+    device = device_for(ns)
+    check_parallel(ns, src.args, device)
+    engine_config(ns)
+    tokenizer = load_tokenizer(src)
+    if ns.chat_template:
+        if tokenizer is None:
+            raise UserError("--chat-template needs a tokenizer; this model has none")
+        from paraseek.models.tokenizer import load_text_tokenizer
+
+        tokenizer = load_text_tokenizer(src.tokenizer, chat_template=ns.chat_template)
+    defaults, why = generation_defaults(src)
+    if ns.tp > 1 and os.environ.get(_WORKER_ENV) != "1":
+        return relaunch(ns.tp, ns.argv)
+    pl = place(ns, device)
+    if not pl.driver:
+        from paraseek.infer.engine import serve_worker
+
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the driver decides when to stop, and tells this rank
+            signal.signal(sig, signal.SIG_IGN)
+        engine = build_engine(ns, src, pl, log=lambda *a, **k: None)
+        serve_worker(engine.runner, pl.meta_group)
+        return _exit(0, pl)
+
+    import uvicorn
+
+    from paraseek.serve.api import ServerState, build_app
+    from paraseek.serve.loop import EngineLoop
+    from paraseek.serve.metrics import ServerMetrics
+
+    name = ns.served_model_name or ns.model
+    max_len = min(ns.max_model_len or min(src.args.max_seq_len, 32768), src.args.max_seq_len)
+    state = ServerState(name, tokenizer, max_len, ns.api_key, ns.max_queue, ns.request_timeout, defaults)
+    app = build_app(state, ns.max_body_bytes)
+    say = lambda msg: print(f"serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"{src.spec} ({src.kind}) as {name!r} on http://{ns.host}:{ns.port} | tokenizer: {src.tokenizer_why} | "
+        f"sampling defaults: {why}{' | API key required' if ns.api_key else ''}")
+
+    server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning", access_log=False,
+                                    timeout_graceful_shutdown=ns.drain_timeout, timeout_keep_alive=5), state)
+    loop_box: list = []
+    failure = [0]  # the exit code when the engine could not start or died: 2 for a user mistake, 1 otherwise
+
+    def engine_thread() -> None:
+        try:
+            t0 = time.perf_counter()
+            engine = build_engine(ns, src, pl, log=say)
+            loop = EngineLoop(engine)
+            loop.metrics = state.metrics = ServerMetrics(engine.stats)
+            loop_box.append(loop)
+            say(f"{engine.report.line()} | ready in {time.perf_counter() - t0:.1f} s")
+            state.loop = loop
+            loop.run()
+        except UserError as e:
+            state.failed, failure[0] = str(e), 2
+            say(f"error: {e}")
+            server.should_exit = True
+        except BaseException as e:  # the engine died: /health says so, requests get 503, the process exits 1
+            state.failed, failure[0] = f"{type(e).__name__}: {e}", 1
+            say(f"error: the engine stopped: {state.failed}")
+            server.should_exit = True
+
+    t = threading.Thread(target=engine_thread, name="paraseek-engine", daemon=True)
+    t.start()
+    server.run()
+    state.draining = True
+    if loop_box:
+        loop_box[0].stop()
+        t.join(30)
+        loop_box[0].engine.shutdown()
+    say(f"stopped ({server.stop_reason})")
+    return failure[0] or _exit(0, pl)
+
+
+class _Server:
+    """uvicorn's Server with our own signal handling: the first SIGTERM/SIGINT starts the drain (new requests get
+    503, running ones have --drain-timeout seconds), and the process then exits 0 instead of re-raising the signal
+    as uvicorn does."""
+
+    def __new__(cls, config, state):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            stop_reason = "engine failed"
+
+            def install_signal_handlers(self) -> None:  # older uvicorn
+                pass
+
+            def capture_signals(self):
+                import contextlib
+
+                @contextlib.contextmanager
+                def handlers():
+                    if threading.current_thread() is not threading.main_thread():
+                        yield
+                        return
+                    old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+                    try:
+                        yield
+                    finally:
+                        for s, h in old.items():
+                            signal.signal(s, h)
+
+                return handlers()
+
+            def handle_exit(self, sig, frame) -> None:
+                state.draining = True
+                self.stop_reason = signal.Signals(sig).name
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True  # a second Ctrl-C: abort at once
+                self.should_exit = True
+
+        return Server(config)
+
+
+def register(subparsers) -> None:
+    from paraseek.infer.cli import add_engine_arguments
+
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible server on the inference engine (completions, chat, streaming, metrics)",
+        description="Serve MODEL behind the OpenAI API: POST /v1/completions and /v1/chat/completions (streaming "
+        "with SSE; the chat template of the model folder), GET /v1/models, /health (200 once the engine is warm), "
+        "/metrics (Prometheus). Errors are OpenAI's JSON objects; a client that disconnects frees its KV blocks at "
+        "once; the waiting queue is bounded (429); SIGTERM drains and exits 0.")
+    add_engine_arguments(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="default 8000")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    s.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    s.add_argument("--chat-template", metavar="FILE.jinja", help="use this chat template instead of the model folder's")
+    s.add_argument("--max-queue", type=int, default=512,
+                   help="waiting requests at most; more get 429 with Retry-After (default 512)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM (default 30)")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take before it is aborted with 504 (default 600)")
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit (default 8 MiB)")
+    p.set_defaults(func=cmd_serve)

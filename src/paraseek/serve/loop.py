@@ -1,0 +1,128 @@
+"""One engine loop for many concurrent HTTP requests: the engine lives on its own thread (it is not thread-safe and
+its steps block), requests and aborts reach it through a queue, and each step's new tokens go back to the waiting
+request handlers on the asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from paraseek.infer.sampling import SamplingParams
+
+
+@dataclass
+class Delta:
+    """What one step added to a request: its new token (and text, log-probabilities), and whether it finished."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    request: object | None = None  # the engine's Request, once finished (usage, timing)
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics=None):
+        self.engine, self.metrics = engine, metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.pending = 0  # submitted, not yet seen by the engine thread
+
+    def run(self) -> None:
+        """The loop, on the calling thread (the one that built the engine) until stop()."""
+        self._run()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+
+    def waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self.pending
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, out: asyncio.Queue,
+               tag: int = 0) -> None:
+        """Queue a request (already checked with engine.check_request); (tag, Delta) pairs arrive on `out`, or an
+        exception if the engine failed it."""
+        loop = asyncio.get_running_loop()
+        self._outputs[request_id] = (loop, out, tag)
+        with self._lock:
+            self.pending += 1
+        self._commands.put(("add", request_id, prompt_ids, params))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (its client went away): its blocks are freed by the next loop turn."""
+        if self._outputs.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
+
+    # ---- the engine thread ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not engine.has_work())
+                if not engine.has_work():
+                    continue
+                for req in engine.step():
+                    self._deliver(req)
+        except BaseException as e:  # the server answers 500/503 from here on and says why
+            self.error = e
+            for loop, out, _ in list(self._outputs.values()):
+                loop.call_soon_threadsafe(out.put_nowait, e)
+            raise
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd[0] == "add":
+                _, rid, prompt_ids, params = cmd
+                with self._lock:
+                    self.pending -= 1
+                target = self._outputs.get(rid)
+                if target is not None:  # not aborted meanwhile
+                    try:
+                        self.engine.add_request(rid, prompt_ids, params, stream_text=True)
+                    except Exception as e:  # checked by the handler already; whatever slipped through is its 400
+                        self._outputs.pop(rid, None)
+                        target[0].call_soon_threadsafe(target[1].put_nowait, e)
+            elif cmd[0] == "abort":
+                req = self.engine.requests.get(cmd[1])
+                self.engine.abort(cmd[1])
+                if req is not None and self.metrics is not None:
+                    self.metrics.finished(req)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, req) -> None:
+        target = self._outputs.get(req.request_id)
+        finished = req.finish_reason is not None
+        if finished:
+            self._outputs.pop(req.request_id, None)
+            if self.metrics is not None:
+                self.metrics.finished(req)
+        if target is None:
+            return
+        n = len(req.logprobs)
+        d = Delta([req.token_ids[-1]], req.stream.delta if req.stream is not None else "", finished,
+                  req.finish_reason, req.logprobs[n - 1:] if n and req.params.logprobs is not None else [],
+                  req.top_logprobs[n - 1:] if n and req.params.logprobs is not None else [],
+                  req if finished else None)
+        loop, out, tag = target
+        loop.call_soon_threadsafe(out.put_nowait, (tag, d))
+
+
+def now() -> int:
+    return int(time.time())

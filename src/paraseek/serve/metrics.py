@@ -1,0 +1,54 @@
+"""Prometheus metrics of the server (names as vLLM's, under paraseek_): queue and cache state read from the engine
+at scrape time, token and request counters, and latency histograms observed as requests finish."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, stats):
+        """`stats` returns the engine's counters (Engine.stats()), called at each scrape."""
+        self.registry = r = CollectorRegistry()
+        self._stats = stats
+
+        def gauge(name: str, doc: str, key: str) -> None:
+            Gauge(name, doc, registry=r).set_function(lambda: float(self._stats().get(key, 0)))
+
+        gauge("paraseek_requests_running", "Requests being decoded or prefilled.", "running")
+        gauge("paraseek_requests_waiting", "Requests waiting for KV blocks or a sequence slot.", "waiting")
+        gauge("paraseek_kv_blocks_used", "KV-cache blocks held by requests.", "kv_blocks_used")
+        gauge("paraseek_kv_blocks_free", "KV-cache blocks free (cached prefixes included: they are reusable).",
+              "kv_blocks_free")
+        gauge("paraseek_kv_cache_usage_ratio", "Share of the KV cache held by requests.", "kv_usage")
+        gauge("paraseek_prefix_cache_queries_total", "Full prompt blocks looked up in the prefix cache.",
+              "prefix_cache_queries")
+        gauge("paraseek_prefix_cache_hits_total", "Full prompt blocks found in the prefix cache.", "prefix_cache_hits")
+        gauge("paraseek_prefix_cache_hit_rate", "Prefix-cache hits over lookups, since the start.", "prefix_hit_rate")
+        gauge("paraseek_preemptions_total", "Requests preempted (recomputed) because the KV cache was full.",
+              "preemptions")
+        gauge("paraseek_prompt_tokens_total", "Prompt tokens admitted.", "prompt_tokens")
+        gauge("paraseek_generation_tokens_total", "Tokens generated.", "generated_tokens")
+        self.requests = Counter("paraseek_requests", "Finished requests by finish reason.", ["finish_reason"],
+                                registry=r)
+        self.errors = Counter("paraseek_request_errors", "Requests answered with an error, by HTTP status.",
+                              ["status"], registry=r)
+        self.ttft = Histogram("paraseek_time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("paraseek_time_per_output_token_seconds", "Mean time between output tokens.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("paraseek_e2e_request_latency_seconds", "Arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def finished(self, req) -> None:
+        self.requests.labels(req.finish_reason or "abort").inc()
+        if req.first_token_time is None:
+            return
+        self.ttft.observe(req.first_token_time - req.arrival)
+        end = req.finish_time or req.first_token_time
+        self.e2e.observe(end - req.arrival)
+        if req.num_output > 1:
+            self.tpot.observe((end - req.first_token_time) / (req.num_output - 1))
