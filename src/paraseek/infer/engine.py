@@ -74,9 +74,13 @@ class CacheReport:
 
     def line(self) -> str:
         seqs = self.tokens / self.max_model_len
-        return (f"KV cache: {self.num_blocks - 1:,} blocks = {self.tokens:,} tokens = {seqs:,.1f} sequences of "
-                f"{self.max_model_len:,} tokens ({self.bytes_per_token:,} B/token, "
-                f"{self.tokens * self.bytes_per_token / GiB:.2f} GiB)")
+        out = (f"KV cache: {self.num_blocks - 1:,} blocks = {self.tokens:,} tokens = {seqs:,.1f} sequences of "
+               f"{self.max_model_len:,} tokens ({self.bytes_per_token:,} B/token, "
+               f"{self.tokens * self.bytes_per_token / GiB:.2f} GiB)")
+        planned, measured = self.extra.get("planned_tokens"), self.extra.get("memory_tokens")
+        if planned and measured:
+            out += f"; plan --mode infer: {planned:,} tokens ({(planned - measured) / measured:+.1%})"
+        return out
 
 
 class TextStream:
@@ -181,11 +185,32 @@ class Engine:
             rep.num_blocks = min(useful, int(budget // block_bytes) + 1)
             rep.weights_gib, rep.peak_gib, rep.total_gib = weights / GiB, peak / GiB, total / GiB
             rep.extra["non_torch_gib"] = non_torch / GiB
+            rep.extra["memory_tokens"] = int(budget // per_token)  # before the cap at what max_num_seqs can use
+            rep.extra["planned_tokens"] = self._planned_tokens(total)
         if self.tp_group is not None and self.tp > 1:
             n = torch.tensor([rep.num_blocks], dtype=torch.int64)
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.meta_group)
             rep.num_blocks = int(n)
         return rep
+
+    def _planned_tokens(self, total_bytes: int) -> int | None:
+        """What `paraseek plan --mode infer` predicts for this GPU and these engine settings (the same formulas;
+        printed beside the measured capacity so that a wrong planner shows)."""
+        import dataclasses as dc
+
+        from paraseek.hardware.specs import spec_for_device_name
+        from paraseek.planner import make_cluster
+        from paraseek.planner.infer import plan_inference
+
+        spec = spec_for_device_name(torch.cuda.get_device_name(self.device))
+        if spec is None:
+            return None
+        cluster = dc.replace(make_cluster(spec.name, self.tp, gpus_per_node=self.tp), memory_gib=total_bytes / GiB)
+        cfg = self.cfg
+        rows = [r for r in plan_inference(self.args, cluster, self.max_model_len, None, "bf16",
+                                          cfg.gpu_memory_utilization, cfg.max_batched_tokens, cfg.max_num_seqs)
+                if r.tp == self.tp and not r.reason]
+        return rows[0].max_context if rows else None
 
     @torch.no_grad()
     def _profile_run(self) -> None:
@@ -220,7 +245,8 @@ class Engine:
         """Block-table widths to capture: the decode kernel's grid grows with the width, so short contexts get a
         narrow graph."""
         most = math.ceil(self.max_model_len / self.cfg.block_size)
-        widths = [w for w in (2048 // self.cfg.block_size, 8192 // self.cfg.block_size) if w < most]
+        # Up to 256 tokens the decode kernel runs one partition and needs no combine pass.
+        widths = [w for w in (t // self.cfg.block_size for t in (256, 1024, 4096, 16384)) if 0 < w < most]
         return widths + [most]
 
     # ---- requests ---------------------------------------------------------------------------------------------------

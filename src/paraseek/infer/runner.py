@@ -140,8 +140,9 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, b: StepBatch) -> torch.Tensor:
-        """Logits [n_sample, vocab] of the rows b.logits_idx."""
+    def forward(self, b: StepBatch, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n_sample, vocab] of the rows b.logits_idx (written into `logits_out` when given: the CUDA graphs
+        share one output buffer instead of keeping one each)."""
         layers = list(self.model.layers.values())
         x_NE = self.model.embed_tokens(b.input_ids)
         h_NE = ops.rms_norm(x_NE, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
@@ -159,8 +160,10 @@ class ModelRunner:
                 x_NE.add_(m_NE)
         final = self.model.norm
         h_SE = ops.rms_norm(x_NE[b.logits_idx], final.weight, final.eps)
-        logits_SV = F.linear(h_SE, self.head_w)
-        return self._gather_vocab(logits_SV)
+        if logits_out is not None and self.tp == 1:
+            return torch.mm(h_SE, self.head_w.t(), out=logits_out)
+        logits_SV = self._gather_vocab(F.linear(h_SE, self.head_w))
+        return logits_out.copy_(logits_SV) if logits_out is not None else logits_SV
 
     def _mlp(self, mlp: nn.Module, h_NE: torch.Tensor) -> torch.Tensor:
         if isinstance(mlp, MoE):
@@ -269,18 +272,22 @@ class ModelRunner:
             "idx": torch.arange(bmax, dtype=torch.int64, device=dev),
             "bt": {m: torch.zeros((bmax, m), dtype=torch.int32, device=dev) for m in widths},
         }
+        # Pinned host twins of the inputs: the copies before a replay are asynchronous (pageable ones stall the host).
+        self._pinned = {k: (v.cpu().pin_memory() if torch.is_tensor(v) else {m: t.cpu().pin_memory() for m, t in v.items()})
+                        for k, v in self._static.items() if k != "idx"}
         pool = torch.cuda.graph_pool_handle()
+        self._logits = torch.empty((bmax, self.vocab_size), dtype=self.dtype, device=dev)
         empty32 = torch.zeros(1, dtype=torch.int32, device=dev)
         for m in sorted(widths, reverse=True):
             for bsz in sorted(batch_sizes, reverse=True):
                 s = self._static
                 sb = StepBatch(s["ids"][:bsz], s["pos"][:bsz], s["slots"][:bsz], bsz, s["bt"][m][:bsz], s["cl"][:bsz],
                                empty32, empty32, s["slots"][:0], [], s["idx"][:bsz])
-                self.forward(sb)  # warm-up: kernels compiled and workspaces sized outside the capture
+                self.forward(sb, self._logits[:bsz])  # warm-up: kernels compiled, workspaces sized, outside capture
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = self.forward(sb)
+                    out = self.forward(sb, self._logits[:bsz])
                 self.graphs[(bsz, m)] = (g, out)
         self.graph_batch_sizes = sorted(batch_sizes)
         torch.cuda.synchronize()
@@ -292,20 +299,19 @@ class ModelRunner:
             return self.forward(hb.to_device(self.device))
         bsz, m = key
         n = hb.n_decode
-        s = self._static
-        s["ids"][:n].copy_(torch.from_numpy(np.asarray(hb.ids, dtype=np.int64)), non_blocking=True)
-        s["pos"][:n].copy_(torch.from_numpy(np.asarray(hb.pos, dtype=np.int64)), non_blocking=True)
-        s["slots"][:n].copy_(torch.from_numpy(np.asarray(hb.slots, dtype=np.int64)), non_blocking=True)
-        s["cl"][:n].copy_(torch.from_numpy(np.asarray(hb.context_lens, dtype=np.int32)), non_blocking=True)
-        bt = np.zeros((n, m), dtype=np.int32)
-        bt[:, :hb.block_tables.shape[1]] = hb.block_tables
-        s["bt"][m][:n].copy_(torch.from_numpy(bt), non_blocking=True)
-        if n < bsz:  # padding rows: token 0 at position 0 writing into the padding block, context of one token
-            s["ids"][n:bsz].zero_()
-            s["pos"][n:bsz].zero_()
-            s["slots"][n:bsz].zero_()
-            s["cl"][n:bsz].fill_(1)
-            s["bt"][m][n:bsz].zero_()
+        s, h = self._static, self._pinned
+        # Fill the pinned twins (padding rows: token 0 at position 0 writing into the padding block, a context of
+        # one token), then copy the whole captured batch asynchronously.
+        for name, values, pad in (("ids", hb.ids, 0), ("pos", hb.pos, 0), ("slots", hb.slots, 0),
+                                  ("cl", hb.context_lens, 1)):
+            host = h[name].numpy()
+            host[:n] = values
+            host[n:bsz] = pad
+            s[name][:bsz].copy_(h[name][:bsz], non_blocking=True)
+        bt = h["bt"][m].numpy()
+        bt[:bsz] = 0
+        bt[:n, :hb.block_tables.shape[1]] = hb.block_tables
+        s["bt"][m][:bsz].copy_(h["bt"][m][:bsz], non_blocking=True)
         g, out = self.graphs[key]
         g.replay()
         return out[:n]

@@ -1,12 +1,16 @@
 """Inference planning: per TP degree, the largest batch x context that fits and the predicted decode/prefill speed.
 
-Memory per GPU = weights / tp (norms, MLA's low-rank down-projections and the router whole) + KV cache + one
-layer's activations for a prefill chunk + logits for sampling + CUDA context. KV cache per token per layer:
-2 x n_kv_heads x head_dim (K and V, split over tp; replicated when tp > n_kv_heads) or, for MLA (DeepSeek-V2/V3),
-the compressed latent kv_lora_rank + the shared RoPE key qk_rope_head_dim (V2 paper sec. 2.1.2), which is not split
-by heads and so is held whole on every tp rank. Decode is priced as memory-bound reads of the weights it touches
-(only the experts some token in the batch routes to) and of the KV cache, or compute-bound if that is slower,
-plus two TP all-reduces per layer.
+Memory per GPU, as the engine (infer/engine.py) sizes its KV pool: of gpu_memory_utilization x the GPU's memory,
+take the weights / tp (norms, MLA's low-rank down-projections and the router whole; the embedding whole, the head
+split by vocabulary), the CUDA context, and the largest step's workspace with the engine's 10% margin -- a
+max_batched_tokens prefill through one layer at a time (the residual stream, the fused projections' outputs, the
+attention output, the MLP's gate|up and its product; MoE: K routed copies of each token), plus the sampler's fp32
+logits of max_num_seqs rows (a few copies: softmax, sort for top-p) -- and the rest is KV cache. KV cache per token
+per layer: 2 x n_kv_heads x head_dim (K and V, split over tp; replicated when tp > n_kv_heads) or, for MLA
+(DeepSeek-V2/V3), the compressed latent kv_lora_rank + the shared RoPE key qk_rope_head_dim (V2 paper sec. 2.1.2),
+which is not split by heads and so is held whole on every tp rank. Decode is priced as memory-bound reads of the
+weights it touches (only the experts some token in the batch routes to) and of the KV cache, or compute-bound if
+that is slower, plus two TP all-reduces per layer.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from dataclasses import dataclass
 
 from paraseek.models.args import ModelArgs
 from paraseek.planner.cost import collective
-from paraseek.planner.memory import ALLOCATOR_BASE, ALLOCATOR_FRACTION, BF16, CUDA_CONTEXT, FP32, GiB, model_terms
+from paraseek.planner.memory import BF16, CUDA_CONTEXT, FP32, GiB, model_terms
 from paraseek.planner.plan import Cluster
 from paraseek.planner.search import divisors
 
-PREFILL_CHUNK = 8192  # tokens per prefill chunk (chunked prefill bounds the activation workspace)
 WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
+# The engine's defaults (infer/engine.EngineConfig): the step's token budget, the decode batch, the memory share.
+MAX_BATCHED_TOKENS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION = 8192, 256, 0.9
+SAMPLER_LOGIT_COPIES = 4  # fp32 logits, their softmax, the sorted copy and its cumulative sum (top-p)
+WORKSPACE_MARGIN = 1.1  # the engine keeps 10% of the measured workspace in reserve
 
 
 @dataclass
@@ -45,8 +52,30 @@ def kv_bytes_per_token(a: ModelArgs, tp: int) -> float:
     return a.n_layers * 2 * BF16 * kv_heads * a.head_dim
 
 
+def step_workspace_bytes(a: ModelArgs, tp: int, max_batched_tokens: int = MAX_BATCHED_TOKENS,
+                         max_num_seqs: int = MAX_NUM_SEQS) -> float:
+    """The largest step's transient memory on one tp rank (the engine measures it with a profiling step)."""
+    D, Dh = a.dim, a.head_dim
+    if a.is_mla:
+        H = a.n_heads / tp
+        proj = (a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + H * a.qk_head_dim
+                + 2 * H * (a.qk_nope_head_dim + a.v_head_dim)) + H * a.v_head_dim
+    else:
+        H, G = a.n_heads / tp, max(a.n_kv_heads / tp, 1)
+        proj = (H + 2 * G) * Dh * 2 + H * Dh  # the fused output, the gathered context K/V, the attention output
+    mlp = 3 * a.inter_dim / tp  # gate|up and their product
+    if a.n_routed_experts:
+        K = a.n_activated_experts
+        moe = K * (2 * D + 3 * a.moe_inter_dim / tp) + 3 * a.moe_inter_dim * a.n_shared_experts / tp + K * D * 2
+        mlp = max(mlp, moe)
+    per_token = BF16 * (3 * D + proj + mlp)
+    logits = max_num_seqs * a.vocab_size * FP32 * SAMPLER_LOGIT_COPIES
+    return max_batched_tokens * per_token + logits
+
+
 def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = None,
-                   weight_dtype: str = "bf16") -> list[InferPlan]:
+                   weight_dtype: str = "bf16", gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                   max_batched_tokens: int = MAX_BATCHED_TOKENS, max_num_seqs: int = MAX_NUM_SEQS) -> list[InferPlan]:
     t = model_terms(a, seq_len)
     wb = WEIGHT_BYTES[weight_dtype]
     out = []
@@ -54,16 +83,16 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
         if a.n_heads % tp or (not a.is_mla and a.n_kv_heads % tp and tp % a.n_kv_heads):
             continue
         L = t.layers
-        dense = sum(x.params_split / tp + x.params_whole for x in L) + (t.embedding + t.head) / tp + t.final_norm
+        # The embedding stays whole on every tp rank; the head is split by vocabulary (infer/tp.py).
+        head = t.head if not a.tie_embeddings else a.vocab_size * a.dim
+        dense = sum(x.params_split / tp + x.params_whole for x in L) + t.embedding + head / tp + t.final_norm
         experts = sum(x.params_experts for x in L) / tp
         weights = wb * (dense + experts)
         kv = kv_bytes_per_token(a, tp)
-        chunk = min(seq_len, PREFILL_CHUNK)
-        workspace = chunk * max(x.act["none"][0] + x.act["none"][1] / tp for x in L)  # one layer at a time
-        workspace += chunk * a.vocab_size / tp * FP32  # prefill logits of a chunk (most servers keep only the last)
+        workspace = WORKSPACE_MARGIN * step_workspace_bytes(a, tp, max_batched_tokens, max_num_seqs)
         cap = c.memory_gib * GiB
-        fixed = weights + workspace + CUDA_CONTEXT + ALLOCATOR_BASE + ALLOCATOR_FRACTION * cap
-        free = cap - fixed
+        fixed = weights + workspace + CUDA_CONTEXT
+        free = gpu_memory_utilization * cap - fixed
         max_batch = int(free // (kv * seq_len)) if free > 0 else 0
         max_context = int(free // kv) if free > 0 else 0
         b = min(batch, max_batch) if batch else max_batch
