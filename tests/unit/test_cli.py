@@ -53,3 +53,18 @@ def test_help_lists_only_working_subcommands():
     r = run("--help")
     assert r.returncode == 0
     assert "info" in r.stdout and "demo" in r.stdout
+
+
+def test_help_and_argument_checks_do_not_import_torch():
+    """`paraseek --help` (and every subcommand's parser) answers without importing torch: seconds saved per call."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom paraseek.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['serve', '--help'], ['plan', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[2] / "src")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"

@@ -72,13 +72,13 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_defaults():
-    from paraseek.infer.engine import EngineConfig
+    from paraseek.infer.config import EngineConfig
 
     return EngineConfig()
 
 
 def engine_config(ns: argparse.Namespace):
-    from paraseek.infer.engine import EngineConfig
+    from paraseek.infer.config import EngineConfig
 
     cfg = EngineConfig(block_size=ns.block_size, max_num_seqs=ns.max_num_seqs, max_batched_tokens=ns.max_batched_tokens,
                        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,

@@ -19,42 +19,12 @@ import torch.distributed as dist
 from paraseek.errors import UserError
 from paraseek.infer import ops
 from paraseek.infer.cache import BlockPool, CacheShape
+from paraseek.infer.config import EngineConfig
 from paraseek.infer.runner import HostBatch, ModelRunner
 from paraseek.infer.sampling import SampleRow, SamplingParams, sample
 from paraseek.infer.scheduler import Request, Scheduler, StepPlan
 
 GiB = 2**30
-
-
-@dataclass
-class EngineConfig:
-    """The engine's knobs (flags of `paraseek generate`/`serve`); defaults are what a single-GPU server wants."""
-
-    block_size: int = 16  # tokens per KV block: the paging and prefix-sharing granularity
-    max_num_seqs: int = 256  # running sequences at most (the largest decode batch)
-    max_batched_tokens: int = 8192  # tokens per step: bounds the prefill workspace; chunks long prompts
-    max_model_len: int | None = None  # prompt + output tokens per sequence; default min(model's, 32768)
-    gpu_memory_utilization: float = 0.9  # of the GPU's memory, for weights + workspace + graphs + KV cache
-    num_kv_blocks: int | None = None  # exact pool size (tests, reproducible capacity); overrides the memory rule
-    kv_cache_gib: float = 1.0  # CPU only: memory for the KV cache (the CPU has no free-memory measurement)
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # no CUDA graphs
-    seed: int = 0
-
-    def validate(self) -> None:
-        checks = [
-            (self.block_size in (8, 16, 32, 64, 128, 256), f"--block-size must be a power of two in 8..256, got {self.block_size}"),
-            (self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}"),
-            (self.max_batched_tokens >= 1, f"--max-batched-tokens must be >= 1, got {self.max_batched_tokens}"),
-            (self.max_model_len is None or self.max_model_len >= 2, f"--max-model-len must be >= 2, got {self.max_model_len}"),
-            (0 < self.gpu_memory_utilization <= 1,
-             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
-            (self.num_kv_blocks is None or self.num_kv_blocks >= 2, f"--num-kv-blocks must be >= 2, got {self.num_kv_blocks}"),
-            (self.kv_cache_gib > 0, f"--kv-cache-gib must be positive, got {self.kv_cache_gib}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise UserError(msg)
 
 
 @dataclass

@@ -20,7 +20,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 KEY = "paraseek/progress/{rank}"
 FAILED_KEY = "paraseek/failures"
@@ -52,6 +51,7 @@ class ProgressRecorder:
     @classmethod
     def from_env(cls, run_dir: str | Path | None) -> ProgressRecorder:
         """The recorder of this process in an initialized process group, on the launcher's store."""
+        import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
         return cls(run_dir, dist.get_rank(), store=_get_default_store())
@@ -185,6 +185,8 @@ def comm_timeout_message(exc: BaseException, step: int, records: list[dict[str, 
 def set_comm_timeout(seconds: float) -> None:
     """Shorten the default group's collective timeout (call after warm-up: the first steps, with compilation and
     the first all-gathers, may legitimately take long). Gloo and NCCL both honour it."""
+    import torch.distributed as dist
+
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
 
 
