@@ -21,7 +21,7 @@ from paraseek.infer import ops
 from paraseek.infer.cache import BlockPool, CacheShape
 from paraseek.infer.config import EngineConfig
 from paraseek.infer.runner import HostBatch, ModelRunner
-from paraseek.infer.sampling import SampleRow, SamplingParams, sample
+from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, sample
 from paraseek.infer.scheduler import Request, Scheduler, StepPlan
 
 GiB = 2**30
@@ -246,6 +246,8 @@ class Engine:
             raise UserError(f"request id {request_id!r} is already running")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
         req = Request(request_id, list(prompt_ids), params, frozenset(stop))
+        req.plain_greedy = (params.greedy and not params.penalized and params.logprobs is None
+                            and params.min_tokens == 0)
         if self.tokenizer is not None and (stream_text or params.stop):
             req.stream = TextStream(self.tokenizer, params)
         if params.seed is not None:
@@ -273,8 +275,10 @@ class Engine:
         self._broadcast(hb)
         logits = self.runner.run(hb)
         items = [s for s in plan.items if s.sample]
-        rows = [self._sample_row(s.request) for s in items]
-        out = sample(logits, rows)
+        if all(s.request.plain_greedy for s in items):  # the common case: no per-row work at all
+            out = Sampled(logits.argmax(dim=-1).tolist())
+        else:
+            out = sample(logits, [self._sample_row(s.request) for s in items])
         for s in plan.items:
             s.request.num_computed = s.start + s.n
         now = time.perf_counter()

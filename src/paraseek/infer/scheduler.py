@@ -48,6 +48,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stream: object | None = None  # engine.TextStream when the text is kept as it grows
+    plain_greedy: bool = False  # greedy with no penalties, log-probabilities or min_tokens: a bare argmax
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -114,29 +115,33 @@ class Scheduler:
         bs = self.pool.block_size
 
         # 1. Running requests: decodes (one token) before unfinished prefills, each in admission order.
-        for want_decode in (True, False):
-            for req in list(self.running):
-                if req.status is not Status.RUNNING or id(req) in scheduled:
-                    continue
-                remaining = len(req.token_ids) - req.num_computed
-                if (remaining == 1) != want_decode or budget == 0:
-                    continue
-                n = min(remaining, budget)
-                need = self._blocks_needed(req, req.num_computed + n)
-                while need > self.pool.num_free:
-                    victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
-                    if victim is None:
-                        break
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is req:
-                        break
-                if req.status is not Status.RUNNING or need > self.pool.num_free:
-                    continue
+        running = list(self.running)
+        order = [r for r in running if len(r.token_ids) - r.num_computed == 1]
+        order += [r for r in running if len(r.token_ids) - r.num_computed > 1]
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # preempted earlier in this step
+                continue
+            remaining = len(req.token_ids) - req.num_computed
+            n = min(remaining, budget)
+            upto = req.num_computed + n
+            need = 0 if upto <= len(req.blocks) * bs else self._blocks_needed(req, upto)
+            while need > self.pool.num_free:
+                victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING or need > self.pool.num_free:
+                continue
+            if need:
                 req.blocks += self.pool.allocate(need)
-                (decodes if want_decode else prefills).append(Scheduled(req, req.num_computed, n))
-                scheduled.add(id(req))
-                budget -= n
+            (decodes if remaining == 1 else prefills).append(Scheduled(req, req.num_computed, n))
+            scheduled.add(id(req))
+            budget -= n
 
         # 2. New (and preempted) requests, first come first served, only in a step that preempted nobody.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -163,7 +168,8 @@ class Scheduler:
 
         items = decodes + prefills
         for s in items:
-            self._register_full_blocks(s.request, s.start + s.n)
+            if len(s.request.block_hashes) < (s.start + s.n) // bs:
+                self._register_full_blocks(s.request, s.start + s.n)
         return StepPlan(items, preempted)
 
     def _blocks_needed(self, req: Request, upto: int) -> int:
