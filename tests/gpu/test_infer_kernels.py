@@ -192,6 +192,26 @@ GQA_CASES = GQA_CASES_CUDA if _CUDA else GQA_CASES_INTERPRET
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,H,G,D", [(1, 32, 8, 128), (5, 12, 2, 128), (37, 4, 2, 16), (3, 8, 8, 64)])
+def test_rope_write_kv(N, H, G, D, dtype):
+    """Fused RoPE of q and k in a q|k|v projection output plus the k/v cache write, against rope_ + index_copy_."""
+    gen = _gen("rope_kv", N, H, G, D)
+    S = 64
+    qkv = _randn(gen, N, (H + 2 * G) * D + 16, dtype=dtype)[:, :(H + 2 * G) * D]  # a strided row view
+    angles = torch.rand(300, D // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    pos = torch.randint(0, 300, (N,), generator=gen).to(DEVICE)
+    slots = torch.randperm(S, generator=gen)[:N].to(DEVICE)
+    kv_ref = _randn(gen, S, 2, G, D, dtype=dtype)
+    kv_got = kv_ref.clone()
+    q_ref, q_got = qkv.clone(), qkv.clone()
+    ops.rope_write_kv_(q_ref, H, G, cos, sin, pos, slots, kv_ref)
+    kernels.rope_write_kv_(q_got, H, G, cos, sin, pos, slots, kv_got)
+    assert _rel(q_got, q_ref) < TOL[dtype]
+    assert _rel(kv_got, kv_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,H,G,D,block_size,M", GQA_CASES)
 def test_paged_decode_gqa(B, H, G, D, block_size, M, dtype):
     gen = _gen("gqa", B, H, G, D, block_size, M)

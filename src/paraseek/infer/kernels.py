@@ -233,6 +233,60 @@ def rope_(x_NHR: torch.Tensor, cos_PR: torch.Tensor, sin_PR: torch.Tensor, posit
     return None
 
 
+@triton.jit
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kv_ptr, stride_n, stride_cp, stride_sp,
+                          stride_ks, stride_k2, stride_kg, H, G, HALF,
+                          BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # Heads of one token: [0, H) queries, [H, H + G) keys, [H + G, H + 2G) values, each D = 2 * HALF wide.
+    # Queries and keys are rotated (half-split) and stored back; keys and values also go to the token's cache slot.
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_HALF)
+    mask_j = j < HALF
+    valid = (h < H + 2 * G)[:, None] & mask_j[None, :]
+    rotate = (h < H + G)[:, None]
+    pos = tl.load(pos_ptr + n).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cp + j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_sp + j, mask=mask_j, other=0.0).to(tl.float32)[None, :]
+    row = qkv_ptr + n * stride_n + h.to(tl.int64)[:, None] * (2 * HALF)
+    x1 = tl.load(row + j[None, :], mask=valid, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + j[None, :], mask=valid, other=0.0).to(tl.float32)
+    o1 = tl.where(rotate, x1 * cos - x2 * sin, x1).to(qkv_ptr.dtype.element_ty)
+    o2 = tl.where(rotate, x2 * cos + x1 * sin, x2).to(qkv_ptr.dtype.element_ty)
+    tl.debug_barrier()  # every load of this program before any in-place store
+    tl.store(row + j[None, :], o1, mask=valid & rotate)
+    tl.store(row + HALF + j[None, :], o2, mask=valid & rotate)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    is_v = h >= H + G
+    g = tl.where(is_v, h - H - G, h - H).to(tl.int64)
+    dst = kv_ptr + slot * stride_ks + tl.where(is_v, 1, 0).to(tl.int64)[:, None] * stride_k2 + g[:, None] * stride_kg
+    to_cache = valid & (h >= H)[:, None]
+    tl.store(dst + j[None, :], o1.to(kv_ptr.dtype.element_ty), mask=to_cache)
+    tl.store(dst + HALF + j[None, :], o2.to(kv_ptr.dtype.element_ty), mask=to_cache)
+
+
+def rope_write_kv_(qkv_NX: torch.Tensor, n_heads: int, n_kv_heads: int, cos_PR: torch.Tensor, sin_PR: torch.Tensor,
+                   positions_N: torch.Tensor, slots_N: torch.Tensor, kv_S2GD: torch.Tensor) -> None:
+    N, X = qkv_NX.shape
+    H, G = n_heads, n_kv_heads
+    D = X // (H + 2 * G)
+    if qkv_NX.stride(-1) != 1 or D % 2 or kv_S2GD.stride(-1) != 1:
+        raise ValueError("rope_write_kv_: the projection and the cache need a contiguous last dim, D even")
+    if N == 0:
+        return None
+    cos_PR = cos_PR if cos_PR.stride(-1) == 1 else cos_PR.contiguous()
+    sin_PR = sin_PR if sin_PR.stride(-1) == 1 else sin_PR.contiguous()
+    half = D // 2
+    block_half = _pow2(half)
+    block_h = min(_pow2(H + 2 * G), max(1, 2048 // block_half))
+    warps = 4 if block_h * block_half >= 1024 else (2 if block_h * block_half >= 256 else 1)
+    _rope_write_kv_kernel[(N, triton.cdiv(H + 2 * G, block_h))](
+        qkv_NX, cos_PR, sin_PR, positions_N, slots_N, kv_S2GD, qkv_NX.stride(0), cos_PR.stride(0), sin_PR.stride(0),
+        kv_S2GD.stride(0), kv_S2GD.stride(1), kv_S2GD.stride(2), H, G, half,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=warps)
+    return None
+
+
 # ---- paged decode attention ------------------------------------------------------------------------------------------
 @triton.jit
 def _partition_len(ctx, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr):

@@ -79,6 +79,20 @@ def rope_(x_NHR: torch.Tensor, cos_PR: torch.Tensor, sin_PR: torch.Tensor, posit
     x_NHR.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
 
+def rope_write_kv_(qkv_NX: torch.Tensor, n_heads: int, n_kv_heads: int, cos_PR: torch.Tensor, sin_PR: torch.Tensor,
+                   positions_N: torch.Tensor, slots_N: torch.Tensor, kv_S2GD: torch.Tensor) -> None:
+    """MHA/GQA: the fused projection's output [N, (H + 2G) x D] -> q and k rotated in place (half-split RoPE), and
+    each token's rotated k and its v written to its cache slot (kv_S2GD[slot] = [k, v]). One kernel on CUDA."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.rope_write_kv_(qkv_NX, n_heads, n_kv_heads, cos_PR, sin_PR, positions_N, slots_N, kv_S2GD)
+    N, G = qkv_NX.shape[0], n_kv_heads
+    D = qkv_NX.shape[1] // (n_heads + 2 * G)
+    rope_(qkv_NX[:, :(n_heads + G) * D].view(N, n_heads + G, D), cos_PR, sin_PR, positions_N, False)
+    kv_S2GD.index_copy_(0, slots_N, qkv_NX[:, n_heads * D:].view(N, 2, G, D))
+
+
 # ---- paged decode attention ------------------------------------------------------------------------------------------
 def _gather_context(cache_S_: torch.Tensor, block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ class StepBatch:
     k_slots: torch.Tensor  # [K] int64: every prefill chunk's whole context, packed
     lens: list[tuple[int, int]]  # (queries, keys) per prefill chunk
     logits_idx: torch.Tensor  # [n_sample] int64: rows whose logits are sampled
+    every_row: bool = False  # logits_idx is every row in order (decode steps): no gather
 
     @property
     def num_tokens(self) -> int:
@@ -85,10 +86,11 @@ class HostBatch:
 
         cu_q = np.concatenate([[0], np.cumsum([q for q, _ in self.lens], dtype=np.int64)])
         cu_k = np.concatenate([[0], np.cumsum([k for _, k in self.lens], dtype=np.int64)])
+        every = len(self.logits_idx) == len(self.ids) and bool((np.asarray(self.logits_idx) == np.arange(len(self.ids))).all())
         return StepBatch(t(self.ids), t(self.pos), t(self.slots), self.n_decode,
                          t(self.block_tables, torch.int32), t(self.context_lens, torch.int32),
                          t(cu_q, torch.int32), t(cu_k, torch.int32), t(self.k_slots), list(self.lens),
-                         t(self.logits_idx))
+                         t(self.logits_idx), every)
 
 
 class ModelRunner:
@@ -159,7 +161,7 @@ class ModelRunner:
             else:
                 x_NE.add_(m_NE)
         final = self.model.norm
-        h_SE = ops.rms_norm(x_NE[b.logits_idx], final.weight, final.eps)
+        h_SE = ops.rms_norm(x_NE if b.every_row else x_NE[b.logits_idx], final.weight, final.eps)
         if logits_out is not None and self.tp == 1:
             return torch.mm(h_SE, self.head_w.t(), out=logits_out)
         logits_SV = self._gather_vocab(F.linear(h_SE, self.head_w))
@@ -178,9 +180,8 @@ class ModelRunner:
         H = attn.q_proj.weight.shape[0] // D
         G = attn.k_proj.weight.shape[0] // D
         q_NHD = qkv[:, :H * D].view(N, H, D)
-        # q and k are adjacent in the fused output: one RoPE launch for both; k and v too: one cache write.
-        ops.rope_(qkv[:, :(H + G) * D].view(N, H + G, D), self.cos_PR, self.sin_PR, b.positions, False)
-        self.cache.kv[i].index_copy_(0, b.slots, qkv[:, H * D:].view(N, 2, G, D))
+        # One launch rotates q and k in the fused output and writes k and v into the cache.
+        ops.rope_write_kv_(qkv, H, G, self.cos_PR, self.sin_PR, b.positions, b.slots, self.cache.kv[i])
         k_SGD, v_SGD = self.cache.k[i], self.cache.v[i]
         nd = b.n_decode
         if nd == N:  # decode-only (every CUDA-graph step): the kernel's output is the attention output
@@ -282,7 +283,7 @@ class ModelRunner:
             for bsz in sorted(batch_sizes, reverse=True):
                 s = self._static
                 sb = StepBatch(s["ids"][:bsz], s["pos"][:bsz], s["slots"][:bsz], bsz, s["bt"][m][:bsz], s["cl"][:bsz],
-                               empty32, empty32, s["slots"][:0], [], s["idx"][:bsz])
+                               empty32, empty32, s["slots"][:0], [], s["idx"][:bsz], every_row=True)
                 self.forward(sb, self._logits[:bsz])  # warm-up: kernels compiled, workspaces sized, outside capture
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
