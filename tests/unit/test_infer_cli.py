@@ -95,3 +95,14 @@ def test_bench_infer_reports_every_workload(capsys):
     assert r["throughput"]["requests"] == 12 and r["throughput"]["output_tokens"] > 0
     assert r["latency"]["ms_per_token"] > 0
     assert [c["concurrency"] for c in r["concurrency"]] == [1, 4]
+
+
+def test_more_gpus_than_visible_is_one_line(folder, capsys, monkeypatch, no_weights_loaded):
+    """--tp x --dp beyond the visible GPUs stops before anything loads (a 1-GPU machine is simulated)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["generate", str(folder), "--prompt", "x", "--tp", "2", "--dp", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--tp 2 x --dp 1 = 2 GPUs, but 1 is visible" in err and len(err.splitlines()) == 1
