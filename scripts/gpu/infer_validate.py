@@ -4,7 +4,8 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
-Groups: tests, llama8b, qwen, v2lite, stress, hf (HF generate on the same requests), hfstatic, gptfast.
+Groups: tests, llama8b, qwen, v2lite, stress, hf (HF generate on the same requests, 8B and 1.5B), hfv2 (HF on
+V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under `paraseek bench-serve`, then SIGTERM).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
 """
@@ -23,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
 PY = sys.executable
 LLAMA, QWEN, V2LITE = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b", "deepseek-v2-lite"
+if os.environ.get("INFER_VALIDATE_TINY") == "1":  # a CPU dry run of this script's plumbing with tiny models
+    LLAMA, QWEN, V2LITE = "tiny-dense", "tiny-dense", "tiny-moe"
 
 
 def sh(argv: list[str], timeout: int) -> tuple[int, str]:
@@ -59,7 +62,9 @@ def group_tests(out: Path, anchors: str) -> list[dict]:
 
 
 def group_llama8b(out: Path, anchors: str) -> list[dict]:
-    return [bench(out, "llama8b", LLAMA, "--concurrency", "1,8,32,64,128,256")]
+    # The sweep's lengths are the serve group's (512 in, 128 out): its concurrency-32 point is the offline reference.
+    return [bench(out, "llama8b", LLAMA, "--concurrency", "1,8,32,64,128,256", "--concurrency-input", "512",
+                  "--concurrency-output", "128")]
 
 
 def group_qwen(out: Path, anchors: str) -> list[dict]:
@@ -95,8 +100,64 @@ def hf(out: Path, name: str, *flags: str, timeout: int = 150) -> dict:
 
 def group_hf(out: Path, anchors: str) -> list[dict]:
     return [hf(out, "hf-llama8b", "--preset", LLAMA, "--batch", "64", "--requests", "64"),
-            hf(out, "hf-qwen", "--preset", QWEN, "--batch", "64", "--requests", "64"),
-            hf(out, "hf-v2lite", "--preset", V2LITE, "--batch", "64", "--fixed", "2048:16", timeout=200)]
+            hf(out, "hf-qwen", "--preset", QWEN, "--batch", "64", "--requests", "64")]
+
+
+def group_hfv2(out: Path, anchors: str) -> list[dict]:
+    return [hf(out, "hf-v2lite", "--preset", V2LITE, "--batch", "64", "--fixed", "2048:16", timeout=200)]
+
+
+def group_serve(out: Path, anchors: str) -> list[dict]:
+    """`paraseek serve` (8B shape, random weights) under `paraseek bench-serve`: concurrency 1, 8, 32, 64 and a
+    request-rate sweep, 512-token prompts and 128 output tokens; then SIGTERM and its exit code."""
+    import signal
+    import urllib.request
+
+    port = 8100
+    log = open(out / "serve.log", "w")
+    t0 = time.time()
+    server = subprocess.Popen([PY, "-m", "paraseek", "serve", LLAMA, "--random-weights", "--port", str(port),
+                               "--served-model-name", "llama8b"], env=ENV, cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    ready = False
+    while time.time() - t0 < 150 and server.poll() is None:
+        try:
+            ready = urllib.request.urlopen(url + "/health", timeout=2).status == 200
+        except OSError:
+            ready = False
+        if ready:
+            break
+        time.sleep(1)
+    results = [{"name": "serve start", "rc": 0 if ready else 1, "summary": f"ready after {time.time() - t0:.0f} s"}]
+    runs = []
+    if ready:
+        common = ["--input-len", "512", "--output-len", "128", "--json", "--model", "llama8b"]
+        for flags in (["--max-concurrency", "1", "--num-prompts", "8"],
+                      ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128",
+                       "--plot", str(out / "serve-concurrency.png")],
+                      ["--sweep", "8,32", "--num-prompts", "128", "--slo-ttft-ms", "250", "--slo-tpot-ms", "50"]):
+            rc, text = sh([PY, "-m", "paraseek", "bench-serve", url, *common, *flags], 240)
+            try:
+                runs += json.loads(text[text.find("{"):text.rfind("}") + 1])["runs"]
+            except (json.JSONDecodeError, KeyError):
+                results.append({"name": "bench-serve", "rc": rc, "summary": text.strip().splitlines()[-1][:200]})
+    server.send_signal(signal.SIGTERM)
+    try:
+        code = server.wait(90)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        code = "killed after 90 s"
+    log.close()
+    results.append({"name": "serve SIGTERM", "rc": 0 if code == 0 else 1, "summary": f"exit code {code}"})
+    results.append({"name": "serve runs", "rc": 0, "runs": runs, "summary": "; ".join(_serve_row(r) for r in runs)})
+    return results
+
+
+def _serve_row(r: dict) -> str:
+    t = r.get("ttft_ms", {})
+    p = r.get("tpot_ms", {})
+    return (f"c={r.get('max_concurrency')} rate={r.get('request_rate')}: {r.get('output_throughput', 0):,.0f} out tok/s, "
+            f"TTFT p50 {t.get('p50') or 0:.0f} p99 {t.get('p99') or 0:.0f} ms, TPOT p50 {p.get('p50') or 0:.1f} ms")
 
 
 def group_hfstatic(out: Path, anchors: str) -> list[dict]:
