@@ -67,7 +67,10 @@ def build_app(state: ServerState, max_body_bytes: int = 8 * 2**20) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             return error(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})".strip())
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        locs = [[str(x) for x in e.get("loc", []) if x != "body"] for e in exc.errors()]
+        # A union field (prompt: str | list[int] | ...) fails once per member, under the member's name ("prompt.str"):
+        # the param is the part those errors share.
+        loc = os.path.commonprefix([x for x in locs if x[:1] == locs[0][:1]]) if locs else []
         param = ".".join(loc) or None
         return error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
 
