@@ -7,7 +7,7 @@ import uuid
 
 import httpx
 import pytest
-from conftest import NAME, PROMPTS, generate, token_strings
+from serve_helpers import NAME, PROMPTS, generate, token_strings
 
 from paraseek.models.tokenizer import split_reasoning
 

@@ -6,7 +6,7 @@ import re
 
 import httpx
 
-from conftest import NAME, PROMPTS
+from serve_helpers import NAME, PROMPTS
 
 N = 16  # new tokens per request
 WORDS = ["beginning", "light", "waters", "firmament", "seed", "fruit", "stars", "whales"]
@@ -69,6 +69,7 @@ def test_64_concurrent_streams_equal_their_single_results(server):
         assert usage.completion_tokens == N
     assert len(set(all_ids)) == 64  # no stream got another's chunks or a duplicate id
     assert m1["paraseek_generation_tokens_total"] - m0["paraseek_generation_tokens_total"] == 64 * N
-    assert m1['paraseek_requests_total{finish_reason="length"}'] - m0['paraseek_requests_total{finish_reason="length"}'] == 64
+    length = 'paraseek_requests_total{finish_reason="length"}'
+    assert m1[length] - m0[length] == 64
     assert peak[0] >= 8, f"at most {peak[0]:.0f} requests ran at once"
     assert server.wait_metric("paraseek_kv_blocks_used", 0) == 0

@@ -6,27 +6,7 @@ import threading
 import httpx
 import openai
 import pytest
-from conftest import NAME, Server
-
-KEY = "sk-test-key"
-LIMIT = 4096  # --max-body-bytes of the strict server
-
-
-@pytest.fixture(scope="module")
-def strict(folder):
-    """A server that wants an API key and takes small bodies only."""
-    s = Server(folder, "--api-key", KEY, "--max-body-bytes", str(LIMIT))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def narrow(folder):
-    """One sequence at a time and two waiting at most: a few concurrent requests fill the queue."""
-    s = Server(folder, "--max-queue", "2", "--max-num-seqs", "1")
-    yield s
-    s.stop()
-
+from serve_helpers import KEY, LIMIT, NAME
 
 def check_error(r: httpx.Response, status: int, type_: str, param=None, says: str = "") -> dict:
     assert r.status_code == status, r.text
@@ -145,7 +125,8 @@ def test_body_too_large(strict):
             yield b"x" * LIMIT
         yield b'"}'
 
-    r = httpx.post(strict.url + "/v1/completions", content=chunked(), headers={**auth, "content-type": "application/json"})
+    r = httpx.post(strict.url + "/v1/completions", content=chunked(),
+                   headers={**auth, "content-type": "application/json"})
     assert "content-length" not in {k.lower() for k in r.request.headers}
     check_error(r, 413, "invalid_request_error", says=f"{LIMIT:,}")
     still_serves(strict, **auth)
@@ -153,8 +134,9 @@ def test_body_too_large(strict):
 
 # ---- the narrow server: a full queue -------------------------------------------------------------------------------
 def test_queue_full_is_429_with_retry_after(narrow):
-    """Ten long requests at once on one sequence slot and two queue places: the first runs, the next two wait, and
-    the rest are refused at once with 429 and Retry-After; every request gets one of those answers."""
+    """Ten long requests at once on one sequence slot and two queue places: two wait (a third runs if the engine
+    took the first off the queue before the rest arrived), the others are refused at once with 429 and
+    Retry-After; every request gets one of those answers."""
     answers: list[httpx.Response] = []
     lock = threading.Lock()
     go = threading.Barrier(10)
@@ -175,7 +157,7 @@ def test_queue_full_is_429_with_retry_after(narrow):
     ok = [r for r in answers if r.status_code == 200]
     full = [r for r in answers if r.status_code == 429]
     assert len(ok) + len(full) == 10, [r.status_code for r in answers]
-    assert len(ok) >= 3 and full, [r.status_code for r in answers]
+    assert len(ok) >= 2 and full, [r.status_code for r in answers]
     for r in full:
         check_error(r, 429, "rate_limit_error", says="queue is full")
         assert int(r.headers["retry-after"]) >= 1

@@ -6,7 +6,7 @@ import threading
 import time
 
 import httpx
-from conftest import NAME, Server
+from serve_helpers import NAME, Server
 
 LONG = 400  # forced output tokens: about a second or more of decoding on the CPU
 

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import NAME, Server
+from serve_helpers import NAME, Server
 
 SOAK_S = float(os.environ.get("PARASEEK_SOAK_S", "30"))
 MAX_QUEUE = 8
@@ -93,7 +93,8 @@ def test_soak_above_capacity(soak_server):
     sent = asyncio.run(soak())
     rss["end"] = s.rss_kib()
 
-    print(f"soak: {sent} requests in {SOAK_S:.0f} s: {statuses.count(200)} served, {statuses.count(429)} refused (429); "
+    print(f"soak: {sent} requests in {SOAK_S:.0f} s: {statuses.count(200)} served, {statuses.count(429)} refused "
+          f"(429); "
           f"waiting at most {max(waiting_seen):.0f}; RSS {rss['warm'] / 1024:.0f} -> {rss['end'] / 1024:.0f} MiB")
     assert not bad, bad[:10]
     assert len(statuses) == sent  # none lost: each got an answer
