@@ -1,6 +1,7 @@
 """SIGTERM: the server stops admitting at once (503 or a refused connection), lets the running request finish within
 --drain-timeout or cuts it off there, and exits 0."""
 
+import json
 import signal
 import threading
 import time
@@ -69,19 +70,36 @@ def test_sigterm_drains_the_running_request_and_exits_0(folder):
 
 
 def test_sigterm_cuts_off_what_outlasts_the_drain_timeout(folder):
-    """--drain-timeout 0.3 s is shorter than the request's ~400 tokens: it is cut off (no [DONE], fewer tokens) and
-    the process still exits 0, soon after the timeout."""
+    """--drain-timeout 0.3 s is shorter than a 500-token request: at the deadline a streamed request ends with an
+    error event (503) and no [DONE], a non-streamed one gets a 503 error object, nothing is cancelled mid-write
+    (no traceback in the log), and the process exits 0 soon after."""
     s = Server(folder, "--drain-timeout", "0.3")
     try:
         t, out, first = start_stream(s, 500)
+        plain: dict = {}
+
+        def non_streamed():
+            body = {"model": NAME, "prompt": "The word was", "max_tokens": 500, "ignore_eos": True}
+            plain["r"] = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+
+        t2 = threading.Thread(target=non_streamed)
+        t2.start()
         assert first.wait(60) and out["error"] is None
+        assert s.wait_metric("paraseek_requests_running", 2, timeout=30) == 2  # both in flight before the signal
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         rc = s.proc.wait(60)
         took = time.monotonic() - t0
         t.join(30)
+        t2.join(30)
         assert rc == 0, s.stderr()
-        assert not out["done"] and len(out["chunks"]) < 500
+        assert out["error"] is None and not out["done"], out["error"]  # a clean end of the stream, without [DONE]
+        last = json.loads(out["chunks"][-1].removeprefix("data: "))
+        assert last["error"]["code"] == 503 and "--drain-timeout" in last["error"]["message"], last
+        assert len(out["chunks"]) < 500
+        r = plain["r"]
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
+        assert "Traceback" not in s.stderr(), s.stderr()
         assert took < 30, f"exit took {took:.1f} s after a 0.3 s drain"
     finally:
         s.stop()

@@ -314,6 +314,8 @@ async def _next(out: asyncio.Queue, request, deadline: float):
             item = await asyncio.wait_for(out.get(), timeout=min(left, _POLL_S))
         except asyncio.TimeoutError:
             continue
+        if isinstance(item, HTTPError):  # the server's own answer (the drain ran out of time)
+            raise item
         if isinstance(item, BaseException):
             raise HTTPError(400 if isinstance(item, UserError) else 500, str(item),
                             "invalid_request_error" if isinstance(item, UserError) else "server_error")
