@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     from paraseek.serve.cli import register as register_serve
 
     register_serve(sub)
+    from paraseek.bench.serve import register as register_bench_serve
+
+    register_bench_serve(sub)
 
     demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus, "
                           "then text generated from its checkpoint",

@@ -21,10 +21,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paraseek.errors import UserError
 from paraseek.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -66,9 +67,17 @@ def build_app(state: ServerState, max_body_bytes: int = 8 * 2**20) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             return error(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})".strip())
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        locs = [[str(x) for x in e.get("loc", []) if x != "body"] for e in exc.errors()]
+        # A union field (prompt: str | list[int] | ...) fails once per member, under the member's name ("prompt.str"):
+        # the param is the part those errors share.
+        loc = os.path.commonprefix([x for x in locs if x[:1] == locs[0][:1]]) if locs else []
         param = ".".join(loc) or None
         return error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)  # unknown routes, wrong methods, bodies over the limit
+    async def on_starlette(request: Request, exc: StarletteHTTPException):
+        type_ = {404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
+        return error(exc.status_code, str(exc.detail), type_, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(HTTPError)
     async def on_http_error(request: Request, exc: HTTPError):
@@ -77,19 +86,6 @@ def build_app(state: ServerState, max_body_bytes: int = 8 * 2**20) -> FastAPI:
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception):
         return error(500, f"internal error: {type(exc).__name__}: {exc}"[:500], "server_error")
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/"):
-            if state.api_key is not None:
-                auth = request.headers.get("authorization", "")
-                if auth != f"Bearer {state.api_key}":
-                    return error(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > max_body_bytes:
-                return error(413, f"the request body is {int(length):,} bytes; the limit is {max_body_bytes:,}")
-        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -124,8 +120,44 @@ def build_app(state: ServerState, max_body_bytes: int = 8 * 2**20) -> FastAPI:
         prompt_ids, text = _chat_prompt(body, state)
         return await _run(state, request, body, [(prompt_ids, text)], chat=True)
 
+    app.add_middleware(_Guard, state=state, limit=max_body_bytes, error=error)
     app.state.paraseek = state
     return app
+
+
+class _Guard:
+    """Before a /v1/ route runs: the API key, then the body limit, from Content-Length when the client sends one,
+    else counted as the route reads the body (a chunked upload says no size up front): the first byte over the
+    limit ends the read with a 413. Plain ASGI rather than @app.middleware, because Starlette's BaseHTTPMiddleware
+    wraps `receive` so that request.is_disconnected() never sees a client leave."""
+
+    def __init__(self, app, state: ServerState, limit: int, error):
+        self.app, self.state, self.limit, self.error = app, state, limit, error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        reject = None
+        key = self.state.api_key
+        if key is not None and headers.get("authorization", "") != f"Bearer {key}":
+            reject = self.error(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error")
+        elif (length := headers.get("content-length", "")).isdigit() and int(length) > self.limit:
+            reject = self.error(413, f"the request body is {int(length):,} bytes; the limit is {self.limit:,}")
+        if reject is not None:
+            return await reject(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # FastAPI passes its own HTTPException on (any other becomes a 400)
+                    raise HTTPException(413, f"the request body is over the limit of {self.limit:,} bytes")
+            return message
+
+        await self.app(scope, counted, send)
 
 
 # ---- request -> engine ---------------------------------------------------------------------------------------------
@@ -190,6 +222,9 @@ def _params(body, state: ServerState, prompt_len: int, chat: bool, index: int):
     from paraseek.infer.sampling import SamplingParams
 
     d = state.defaults
+    if prompt_len >= state.max_model_len:  # else the default max_tokens below is <= 0 and the message says only that
+        raise HTTPError(400, f"this model's maximum context length is {state.max_model_len} tokens; the prompt has "
+                        f"{prompt_len}", param="messages" if chat else "prompt")
     max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
     if max_tokens is None:  # OpenAI's default for completions is 16; chat runs to the context's end
         max_tokens = min(16, state.max_model_len - prompt_len) if not chat else state.max_model_len - prompt_len
@@ -259,18 +294,28 @@ async def _run(state: ServerState, request, body, prompts: list[tuple[list[int],
             loop.abort(rid)  # no-op for finished requests
 
 
+_POLL_S = 0.5  # how often a handler asks whether its client is still connected
+
+
 async def _next(out: asyncio.Queue, request, deadline: float):
     """The next (choice, Delta); None if the client disconnected; HTTPError 504 past the request timeout."""
     while True:
-        left = deadline - time.perf_counter()
+        now = time.perf_counter()
+        left = deadline - now
         if left <= 0:
             raise HTTPError(504, "the request took longer than the server's --request-timeout", "timeout")
-        try:
-            item = await asyncio.wait_for(out.get(), timeout=min(left, 0.5))
-        except asyncio.TimeoutError:
+        # Ask on a clock, not only when no token came for a while: tokens arrive every few ms, so a non-streamed
+        # request whose client left would otherwise run to max_tokens.
+        if now >= getattr(request.state, "poll_at", 0.0):
+            request.state.poll_at = now + _POLL_S
             if await request.is_disconnected():
                 return None
+        try:
+            item = await asyncio.wait_for(out.get(), timeout=min(left, _POLL_S))
+        except asyncio.TimeoutError:
             continue
+        if isinstance(item, HTTPError):  # the server's own answer (the drain ran out of time)
+            raise item
         if isinstance(item, BaseException):
             raise HTTPError(400 if isinstance(item, UserError) else 500, str(item),
                             "invalid_request_error" if isinstance(item, UserError) else "server_error")

@@ -78,9 +78,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     say(f"{src.spec} ({src.kind}) as {name!r} on http://{ns.host}:{ns.port} | tokenizer: {src.tokenizer_why} | "
         f"sampling defaults: {why}{' | API key required' if ns.api_key else ''}")
 
-    server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=ns.drain_timeout, timeout_keep_alive=5), state)
     loop_box: list = []
+
+    def cut_off() -> None:  # the drain ran out: what still runs ends with a 503 (an error event when streamed)
+        if loop_box:
+            from paraseek.serve.api import HTTPError
+
+            loop_box[0].abort_all(HTTPError(503, f"the server shut down before this request finished "
+                                            f"(--drain-timeout {ns.drain_timeout:g} s)", "service_unavailable"))
+
+    # uvicorn's own deadline comes a little later: by then the handlers have answered and nothing is cancelled
+    server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning", access_log=False,
+                                    timeout_graceful_shutdown=ns.drain_timeout + 2, timeout_keep_alive=5), state,
+                     ns.drain_timeout, cut_off)
     failure = [0]  # the exit code when the engine could not start or died: 2 for a user mistake, 1 otherwise
 
     def engine_thread() -> None:
@@ -119,7 +129,9 @@ class _Server:
     503, running ones have --drain-timeout seconds), and the process then exits 0 instead of re-raising the signal
     as uvicorn does."""
 
-    def __new__(cls, config, state):
+    def __new__(cls, config, state, drain_timeout: float, cut_off):
+        import asyncio
+
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -146,6 +158,9 @@ class _Server:
                 return handlers()
 
             def handle_exit(self, sig, frame) -> None:
+                if not state.draining:  # the first signal: start the drain's clock (on the server's event loop)
+                    loop = asyncio.get_event_loop()
+                    loop.call_soon_threadsafe(loop.call_later, drain_timeout, cut_off)
                 state.draining = True
                 self.stop_reason = signal.Signals(sig).name
                 if self.should_exit and sig == signal.SIGINT:

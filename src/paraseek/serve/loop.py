@@ -63,6 +63,13 @@ class EngineLoop:
         if self._outputs.pop(request_id, None) is not None:
             self._commands.put(("abort", request_id))
 
+    def abort_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (its handler answers it) and free them in the engine. Call it
+        on the asyncio loop's thread, as submit and abort."""
+        for rid, (loop, out, _) in list(self._outputs.items()):
+            self.abort(rid)
+            loop.call_soon_threadsafe(out.put_nowait, error)
+
     # ---- the engine thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
