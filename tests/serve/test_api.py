@@ -167,9 +167,9 @@ def test_non_streamed_client_disconnect_aborts(server):
 FAMILIES = {  # name -> type, as text_string_to_metric_families reports them
     "paraseek_requests_running": "gauge", "paraseek_requests_waiting": "gauge", "paraseek_kv_blocks_used": "gauge",
     "paraseek_kv_blocks_free": "gauge", "paraseek_kv_cache_usage_ratio": "gauge",
-    "paraseek_prefix_cache_queries_total": "gauge", "paraseek_prefix_cache_hits_total": "gauge",
-    "paraseek_prefix_cache_hit_rate": "gauge", "paraseek_preemptions_total": "gauge",
-    "paraseek_prompt_tokens_total": "gauge", "paraseek_generation_tokens_total": "gauge",
+    "paraseek_prefix_cache_queries": "counter", "paraseek_prefix_cache_hits": "counter",
+    "paraseek_prefix_cache_hit_rate": "gauge", "paraseek_preemptions": "counter",
+    "paraseek_prompt_tokens": "counter", "paraseek_generation_tokens": "counter",
     "paraseek_requests": "counter", "paraseek_request_errors": "counter",
     "paraseek_time_to_first_token_seconds": "histogram", "paraseek_time_per_output_token_seconds": "histogram",
     "paraseek_e2e_request_latency_seconds": "histogram",

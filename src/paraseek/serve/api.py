@@ -9,13 +9,9 @@ aborts the rest and exits 0.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import signal
-import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field

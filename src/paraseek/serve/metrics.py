@@ -4,6 +4,7 @@ at scrape time, token and request counters, and latency histograms observed as r
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
@@ -24,14 +25,8 @@ class ServerMetrics:
         gauge("paraseek_kv_blocks_free", "KV-cache blocks free (cached prefixes included: they are reusable).",
               "kv_blocks_free")
         gauge("paraseek_kv_cache_usage_ratio", "Share of the KV cache held by requests.", "kv_usage")
-        gauge("paraseek_prefix_cache_queries_total", "Full prompt blocks looked up in the prefix cache.",
-              "prefix_cache_queries")
-        gauge("paraseek_prefix_cache_hits_total", "Full prompt blocks found in the prefix cache.", "prefix_cache_hits")
         gauge("paraseek_prefix_cache_hit_rate", "Prefix-cache hits over lookups, since the start.", "prefix_hit_rate")
-        gauge("paraseek_preemptions_total", "Requests preempted (recomputed) because the KV cache was full.",
-              "preemptions")
-        gauge("paraseek_prompt_tokens_total", "Prompt tokens admitted.", "prompt_tokens")
-        gauge("paraseek_generation_tokens_total", "Tokens generated.", "generated_tokens")
+        r.register(_EngineCounters(self._stats))
         self.requests = Counter("paraseek_requests", "Finished requests by finish reason.", ["finish_reason"],
                                 registry=r)
         self.errors = Counter("paraseek_request_errors", "Requests answered with an error, by HTTP status.",
@@ -52,3 +47,26 @@ class ServerMetrics:
         self.e2e.observe(end - req.arrival)
         if req.num_output > 1:
             self.tpot.observe((end - req.first_token_time) / (req.num_output - 1))
+
+
+class _EngineCounters:
+    """The engine's running totals as Prometheus counters (they only grow), read at scrape time."""
+
+    COUNTERS = (
+        ("paraseek_prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.", "prefix_cache_queries"),
+        ("paraseek_prefix_cache_hits", "Full prompt blocks found in the prefix cache.", "prefix_cache_hits"),
+        ("paraseek_preemptions", "Requests preempted (recomputed) because the KV cache was full.", "preemptions"),
+        ("paraseek_prompt_tokens", "Prompt tokens admitted.", "prompt_tokens"),
+        ("paraseek_generation_tokens", "Tokens generated.", "generated_tokens"),
+    )
+
+    def __init__(self, stats):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        for name, doc, key in self.COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+
+    def describe(self):
+        return [CounterMetricFamily(name, doc, value=0) for name, doc, _ in self.COUNTERS]
