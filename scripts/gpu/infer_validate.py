@@ -68,7 +68,7 @@ def group_llama8b(out: Path, anchors: str) -> list[dict]:
 
 
 def group_qwen(out: Path, anchors: str) -> list[dict]:
-    return [bench(out, "qwen", QWEN, "--workloads", "latency,throughput,concurrency", "--concurrency", "1,32,128,256")]
+    return [bench(out, "qwen", QWEN, "--workloads", "latency,throughput")]
 
 
 def group_v2lite(out: Path, anchors: str) -> list[dict]:
