@@ -22,6 +22,7 @@ from paraseek.infer.cache import BlockPool, CacheShape
 from paraseek.infer.config import EngineConfig
 from paraseek.infer.runner import HostBatch, ModelRunner
 from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, sample
+from paraseek.planner.memory import ALLOCATOR_FRACTION
 from paraseek.infer.scheduler import Request, Scheduler, StepPlan
 
 GiB = 2**30
@@ -145,7 +146,10 @@ class Engine:
             peak = torch.cuda.max_memory_allocated()
             free, total = torch.cuda.mem_get_info()
             non_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, NCCL, cuBLAS workspaces
-            budget = total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1
+            # The caching allocator's rounding and fragmentation (planner.memory.ALLOCATOR_FRACTION): without it
+            # the reserved memory of a long run creeps past the limit even when the allocated memory does not.
+            budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1
+                      - ALLOCATOR_FRACTION * total)
             if budget < block_bytes * 2:
                 raise UserError(
                     f"no memory left for the KV cache: weights {weights / GiB:.1f} GiB and a {cfg.max_batched_tokens}"
@@ -157,6 +161,9 @@ class Engine:
             rep.extra["non_torch_gib"] = non_torch / GiB
             rep.extra["memory_tokens"] = int(budget // per_token)  # before the cap at what max_num_seqs can use
             rep.extra["planned_tokens"] = self._planned_tokens(total)
+            # Hold the allocator to the share: past it, it releases cached blocks and retries instead of growing.
+            torch.cuda.set_per_process_memory_fraction(max(0.05, cfg.gpu_memory_utilization - non_torch / total),
+                                                       self.device)
         if self.tp_group is not None and self.tp > 1:
             n = torch.tensor([rep.num_blocks], dtype=torch.int64)
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.meta_group)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from paraseek.models.args import ModelArgs
 from paraseek.planner.cost import collective
-from paraseek.planner.memory import BF16, CUDA_CONTEXT, FP32, GiB, model_terms
+from paraseek.planner.memory import ALLOCATOR_FRACTION, BF16, CUDA_CONTEXT, FP32, GiB, model_terms
 from paraseek.planner.plan import Cluster
 from paraseek.planner.search import divisors
 
@@ -91,7 +91,7 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
         kv = kv_bytes_per_token(a, tp)
         workspace = WORKSPACE_MARGIN * step_workspace_bytes(a, tp, max_batched_tokens, max_num_seqs)
         cap = c.memory_gib * GiB
-        fixed = weights + workspace + CUDA_CONTEXT
+        fixed = weights + workspace + CUDA_CONTEXT + ALLOCATOR_FRACTION * cap  # the engine's allowance for fragmentation
         free = gpu_memory_utilization * cap - fixed
         max_batch = int(free // (kv * seq_len)) if free > 0 else 0
         max_context = int(free // kv) if free > 0 else 0
