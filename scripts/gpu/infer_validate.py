@@ -28,8 +28,12 @@ if os.environ.get("INFER_VALIDATE_TINY") == "1":  # a CPU dry run of this script
     LLAMA, QWEN, V2LITE = "tiny-dense", "tiny-dense", "tiny-moe"
 
 
+_DEADLINE = time.time() + float(os.environ.get("INFER_DEADLINE_S", "1e9"))  # the whole call's: cut a run, keep the rest
+
+
 def sh(argv: list[str], timeout: int) -> tuple[int, str]:
     t0 = time.time()
+    timeout = max(1, min(timeout, int(_DEADLINE - t0)))
     try:
         r = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         rc, out, err = r.returncode, r.stdout, r.stderr
