@@ -113,6 +113,11 @@ class Engine:
                 log(f"warning: CUDA graphs off, decode runs eagerly ({str(e).splitlines()[0][:160]})")
             self.report.extra["graphs_s"] = time.perf_counter() - t0
             self.report.extra["graphs"] = len(self.runner.graphs)
+        if "allocator_fraction" in self.report.extra:
+            # From here on the allocator is held to the share: past it, it releases cached blocks and retries
+            # instead of growing. Set after the pool and the graphs exist: blocks the build left cached would count
+            # against the share and keep the pool's one large allocation from fitting (seen on an H200).
+            torch.cuda.set_per_process_memory_fraction(self.report.extra["allocator_fraction"], self.device)
         self.pool = BlockPool(self.report.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_batched_tokens, self.max_model_len)
         if stop_token_ids is None:
@@ -161,9 +166,7 @@ class Engine:
             rep.extra["non_torch_gib"] = non_torch / GiB
             rep.extra["memory_tokens"] = int(budget // per_token)  # before the cap at what max_num_seqs can use
             rep.extra["planned_tokens"] = self._planned_tokens(total)
-            # Hold the allocator to the share: past it, it releases cached blocks and retries instead of growing.
-            torch.cuda.set_per_process_memory_fraction(max(0.05, cfg.gpu_memory_utilization - non_torch / total),
-                                                       self.device)
+            rep.extra["allocator_fraction"] = max(0.05, cfg.gpu_memory_utilization - non_torch / total)
         if self.tp_group is not None and self.tp > 1:
             n = torch.tensor([rep.num_blocks], dtype=torch.int64)
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.meta_group)
@@ -213,6 +216,7 @@ class Engine:
         sample(logits, [SampleRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [])] * B)
         del logits
         self.runner.cache = None
+        torch.cuda.empty_cache()  # the profile's blocks back to the device: the pool is one large allocation
 
     def _graph_batch_sizes(self) -> list[int]:
         sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))

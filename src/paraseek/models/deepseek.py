@@ -487,9 +487,9 @@ def build_model(args: ModelArgs, device: torch.device | str = "meta", dtype: tor
     with torch.device("meta"):
         model = Transformer(args)
     if str(device) != "meta":
-        model.to_empty(device=device)
-        if dtype is not None:
+        if dtype is not None:  # on the meta device: the weights are allocated once, in their dtype
             model.to(dtype)
+        model.to_empty(device=device)
         model.init_weights(device=torch.device(device))
         _keep_fp32_buffers(model)
     return model
