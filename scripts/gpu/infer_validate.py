@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
+# src first, then whatever the caller put on the path (the serve extra's wheels, installed with --target)
+ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
+           PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p))
 PY = sys.executable
 LLAMA, QWEN, V2LITE = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b", "deepseek-v2-lite"
 if os.environ.get("INFER_VALIDATE_TINY") == "1":  # a CPU dry run of this script's plumbing with tiny models
