@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     from paraseek.serve.cli import register as register_serve
 
     register_serve(sub)
+    from paraseek.train.export import register as register_export
+
+    register_export(sub)
     from paraseek.bench.serve import register as register_bench_serve
 
     register_bench_serve(sub)

@@ -5,6 +5,7 @@ without loading a weight, so bad input costs one line before anything big happen
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +119,9 @@ def _load_checkpoint(src: ModelSource, dtype, device):
     model.to_empty(device=device)
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=str(src.path))
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(src.path))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -1,0 +1,108 @@
+"""`paraseek export CHECKPOINT_DIR OUT_DIR [--step N]`: a training checkpoint as an HF folder that transformers and
+`paraseek generate`/`serve` load, with the tokenizer the run trained with (never another one chosen silently) and a
+config.json whose bos/eos ids are that tokenizer's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from paraseek.errors import UserError
+
+# Files of a tokenizer folder that travel with it (transformers reads them; chat_template.jinja is how transformers 5
+# writes the template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
+                      overwrite: bool = False, log=print) -> Path:
+    import torch
+
+    from paraseek.infer.load import _checkpoint_step, _from_checkpoint, _load_checkpoint
+    from paraseek.models import save_pretrained
+
+    folder, out = Path(checkpoint), Path(out)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such folder")
+    if step is not None:
+        step_dir = folder / f"step-{step:06d}"
+        if not (step_dir / "trainer_state.json").is_file() or not (step_dir / ".metadata").is_file():
+            have = sorted(p.name for p in folder.glob("step-*") if (p / "trainer_state.json").is_file())
+            raise UserError(f"{folder}: no complete checkpoint for step {step} (complete: {', '.join(have) or 'none'})")
+    else:
+        step_dir = _checkpoint_step(folder)
+        if step_dir is None:
+            raise UserError(f"{folder}: not a paraseek checkpoint folder (no step-N/trainer_state.json)")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"{out} exists and is not empty; choose another folder or add --overwrite")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    src = _from_checkpoint(str(folder), step_dir, None)
+    tok = None
+    if src.tokenizer is not None:
+        from paraseek.models.tokenizer import load_text_tokenizer
+
+        tok = load_text_tokenizer(src.tokenizer)
+        if tok.vocab_size > src.args.vocab_size:
+            raise UserError(f"the tokenizer {src.tokenizer} has {tok.vocab_size:,} tokens but the model's vocabulary "
+                            f"is {src.args.vocab_size:,}: it is not the model's tokenizer")
+    log(f"export: {step_dir} ({src.args.model_type}, {dtype}) -> {out}; tokenizer: {src.tokenizer_why}")
+    model = _load_checkpoint(src, torch.float32, "cpu").to(torch_dtype)
+    save_pretrained(model, out)
+    if tok is not None:
+        _write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len)
+        config = json.loads((out / "config.json").read_text())
+        config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.stop_token_ids or tok.eos_token_id}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    else:
+        log("export: the run trained on synthetic tokens and has no tokenizer; the folder holds the model only")
+    return out
+
+
+def _write_tokenizer(source: Path, tok, out: Path, max_len: int) -> None:
+    """Copy the tokenizer's files; a bare tokenizer.json gets a tokenizer_config.json naming its special tokens, so
+    that transformers' AutoTokenizer uses it as it is (PreTrainedTokenizerFast) with the same bos/eos."""
+    folder = source if source.is_dir() else source.parent
+    tok_file = source / "tokenizer.json" if source.is_dir() else source
+    shutil.copy(tok_file, out / "tokenizer.json")
+    copied = False
+    if source.is_dir():
+        for name in TOKENIZER_FILES[1:]:
+            if (folder / name).is_file():
+                shutil.copy(folder / name, out / name)
+                copied = copied or name == "tokenizer_config.json"
+    if not copied:
+        name = tok.tok.id_to_token
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
+        if tok.bos_token_id is not None:
+            config["bos_token"] = name(tok.bos_token_id)
+        if tok.eos_token_id is not None:
+            config["eos_token"] = name(tok.eos_token_id)
+        if tok.chat_template:
+            config["chat_template"] = tok.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    export_checkpoint(ns.checkpoint, ns.out, step=ns.step, dtype=ns.dtype, overwrite=ns.overwrite)
+    print(f"exported an HF folder to {Path(ns.out).resolve()}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export", help="a training checkpoint as an HF folder (weights, config, the tokenizer it trained with)",
+        description="Write the newest complete step of a `paraseek train --checkpoint-dir` folder (or --step N) as an "
+        "HF model folder: safetensors and config.json that transformers loads, the tokenizer the run trained with "
+        "(tokenizer.json, tokenizer_config.json with its special tokens and chat template) and bos/eos ids that "
+        "agree with it. `paraseek generate`/`serve` take the folder directly.")
+    p.add_argument("checkpoint", help="a --checkpoint-dir folder (or one of its step-N folders)")
+    p.add_argument("out", help="the HF folder to write (must be new or empty, unless --overwrite)")
+    p.add_argument("--step", type=int, help="the step to export (default: the newest complete one)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights' dtype (default bfloat16; training keeps fp32 masters)")
+    p.add_argument("--overwrite", action="store_true", help="replace what OUT holds")
+    p.set_defaults(func=cmd_export)
