@@ -184,6 +184,57 @@ def relaunch(nproc: int, argv: list[str]) -> int:
         return 1
 
 
+def spawn(nproc: int, argv: list[str]) -> int:
+    """For a server: this command again as `nproc` local processes (rank i on GPU i), without torchrun's agent, so
+    that SIGTERM/SIGINT reach rank 0 alone -- it drains, then tells the others to stop. Returns rank 0's exit code;
+    a rank that dies first stops all of them with one line."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), **{_WORKER_ENV: "1"})
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    procs = [subprocess.Popen([sys.executable, "-m", "paraseek", *argv],
+                              env=dict(base, RANK=str(i), LOCAL_RANK=str(i))) for i in range(nproc)]
+
+    def forward(sig, frame) -> None:
+        if procs[0].poll() is None:
+            procs[0].send_signal(sig)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if codes[0] is not None or failed is not None:
+                break
+            time.sleep(0.2)
+        deadline = time.time() + 30
+        for p in procs:  # the others end by themselves once rank 0 has told them; the stragglers are stopped
+            while p.poll() is None and time.time() < deadline and failed is None:
+                time.sleep(0.1)
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        if failed is not None and failed != 0:
+            code = procs[failed].returncode
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            print(f"paraseek: rank {failed} failed first ({how}); all ranks were stopped", file=sys.stderr)
+            return 2 if code == 2 else 1
+        return procs[0].returncode
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
 def place(ns: argparse.Namespace, device: str) -> Placement:
     """Join the process group when launched as one of several processes; tp groups are consecutive ranks."""
     if os.environ.get(_WORKER_ENV) != "1" or "RANK" not in os.environ:

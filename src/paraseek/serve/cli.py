@@ -19,8 +19,6 @@ def _check(ns: argparse.Namespace) -> None:
         (ns.drain_timeout >= 0, f"--drain-timeout must be >= 0 seconds, got {ns.drain_timeout}"),
         (ns.request_timeout > 0, f"--request-timeout must be > 0 seconds, got {ns.request_timeout}"),
         (ns.max_body_bytes >= 1024, f"--max-body-bytes must be >= 1024, got {ns.max_body_bytes}"),
-        (ns.dp == 1, "paraseek serve runs one replica per server for now: start one server per --tp group of GPUs "
-                     "(CUDA_VISIBLE_DEVICES) and balance across them"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -36,7 +34,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
     from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_parallel, device_for, engine_config,
-                                    generation_defaults, load_tokenizer, place, relaunch)
+                                    generation_defaults, load_tokenizer, place, spawn)
     from paraseek.infer.load import resolve_source
 
     _check(ns)
@@ -52,16 +50,35 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         tokenizer = load_text_tokenizer(src.tokenizer, chat_template=ns.chat_template)
     defaults, why = generation_defaults(src)
-    if ns.tp > 1 and os.environ.get(_WORKER_ENV) != "1":
-        return relaunch(ns.tp, ns.argv)
+    if ns.tp * ns.dp > 1 and os.environ.get(_WORKER_ENV) != "1":
+        return spawn(ns.tp * ns.dp, ns.argv)
     pl = place(ns, device)
-    if not pl.driver:
+    listener = None
+    if ns.dp > 1:  # the HTTP process listens for the other replicas' drivers; everyone learns where
+        import torch.distributed as dist
+
+        from paraseek.serve.replicas import listen
+
+        box = [None]
+        if pl.rank == 0:
+            listener, address, key = listen(ns.dp - 1)
+            box = [(address, key)]
+        dist.broadcast_object_list(box, src=0, group=pl.world_gloo)
+        address, key = box[0]
+    if pl.rank != 0:
         from paraseek.infer.engine import serve_worker
 
-        for sig in (signal.SIGTERM, signal.SIGINT):  # the driver decides when to stop, and tells this rank
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the HTTP process decides when to stop, and tells this rank
             signal.signal(sig, signal.SIG_IGN)
         engine = build_engine(ns, src, pl, log=lambda *a, **k: None)
-        serve_worker(engine.runner, pl.meta_group)
+        if not pl.driver:
+            serve_worker(engine.runner, pl.meta_group)
+        else:  # the driver of replica 1, 2, ...: its own engine loop, fed by the HTTP process
+            from paraseek.serve.loop import EngineLoop
+            from paraseek.serve.replicas import serve_remote
+
+            serve_remote(EngineLoop(engine), address, key, pl.replica)
+            engine.shutdown()
         return _exit(0, pl)
 
     import uvicorn
@@ -84,8 +101,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         if loop_box:
             from paraseek.serve.api import HTTPError
 
-            loop_box[0].abort_all(HTTPError(503, f"the server shut down before this request finished "
-                                            f"(--drain-timeout {ns.drain_timeout:g} s)", "service_unavailable"))
+            loop_box[-1].abort_all(HTTPError(503, f"the server shut down before this request finished "
+                                             f"(--drain-timeout {ns.drain_timeout:g} s)", "service_unavailable"))
 
     # uvicorn's own deadline comes a little later: by then the handlers have answered and nothing is cancelled
     server = _Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning", access_log=False,
@@ -98,10 +115,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             engine = build_engine(ns, src, pl, log=say)
             loop = EngineLoop(engine)
-            loop.metrics = state.metrics = ServerMetrics(engine.stats)
             loop_box.append(loop)
-            say(f"{engine.report.line()} | ready in {time.perf_counter() - t0:.1f} s")
-            state.loop = loop
+            if listener is None:
+                loop.metrics = state.metrics = ServerMetrics(engine.stats)
+                state.loop = loop
+            else:
+                from paraseek.serve.replicas import ReplicaSet, accept
+
+                replicas = ReplicaSet(loop, accept(listener, ns.dp - 1))
+                loop_box.append(replicas)
+                state.metrics = replicas.metrics = ServerMetrics(replicas.stats)
+                for r in replicas.replicas:
+                    r.metrics = state.metrics
+                state.loop = replicas
+            say(f"{engine.report.line()} | {ns.dp} replica(s) ready in {time.perf_counter() - t0:.1f} s")
             loop.run()
         except UserError as e:
             state.failed, failure[0] = str(e), 2
@@ -116,6 +143,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     t.start()
     server.run()
     state.draining = True
+    if len(loop_box) > 1:
+        for r in loop_box[1].remotes:  # the other replicas stop their loops and their tp ranks
+            r.stop()
     if loop_box:
         loop_box[0].stop()
         t.join(30)

@@ -24,14 +24,20 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    request: object | None = None  # the engine's Request, once finished (usage, timing)
+    timing: tuple | None = None  # once finished: (time to first token, end to end, output tokens), for the metrics
+
+
+def timing_of(req) -> tuple | None:
+    if req.first_token_time is None:
+        return None
+    return req.first_token_time - req.arrival, (req.finish_time or req.first_token_time) - req.arrival, req.num_output
 
 
 class EngineLoop:
     def __init__(self, engine, metrics=None):
         self.engine, self.metrics = engine, metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self._outputs: dict[str, object] = {}  # request id -> emit(item), callable from any thread
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -45,6 +51,9 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(("wake",))
 
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self.pending
 
@@ -53,7 +62,15 @@ class EngineLoop:
         """Queue a request (already checked with engine.check_request); (tag, Delta) pairs arrive on `out`, or an
         exception if the engine failed it."""
         loop = asyncio.get_running_loop()
-        self._outputs[request_id] = (loop, out, tag)
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, (tag, item) if isinstance(item, Delta) else item)
+
+        self.submit_to(request_id, prompt_ids, params, emit)
+
+    def submit_to(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit) -> None:
+        """Queue a request whose Deltas (or the exception that failed it) go to `emit`, from the engine thread."""
+        self._outputs[request_id] = emit
         with self._lock:
             self.pending += 1
         self._commands.put(("add", request_id, prompt_ids, params))
@@ -66,9 +83,9 @@ class EngineLoop:
     def abort_all(self, error: BaseException) -> None:
         """End every request in flight with `error` (its handler answers it) and free them in the engine. Call it
         on the asyncio loop's thread, as submit and abort."""
-        for rid, (loop, out, _) in list(self._outputs.items()):
+        for rid, emit in list(self._outputs.items()):
             self.abort(rid)
-            loop.call_soon_threadsafe(out.put_nowait, error)
+            emit(error)
 
     # ---- the engine thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -82,8 +99,8 @@ class EngineLoop:
                     self._deliver(req)
         except BaseException as e:  # the server answers 500/503 from here on and says why
             self.error = e
-            for loop, out, _ in list(self._outputs.values()):
-                loop.call_soon_threadsafe(out.put_nowait, e)
+            for emit in list(self._outputs.values()):
+                emit(e)
             raise
 
     def _drain(self, block: bool) -> None:
@@ -96,39 +113,37 @@ class EngineLoop:
                 _, rid, prompt_ids, params = cmd
                 with self._lock:
                     self.pending -= 1
-                target = self._outputs.get(rid)
-                if target is not None:  # not aborted meanwhile
+                emit = self._outputs.get(rid)
+                if emit is not None:  # not aborted meanwhile
                     try:
                         self.engine.add_request(rid, prompt_ids, params, stream_text=True)
                     except Exception as e:  # checked by the handler already; whatever slipped through is its 400
                         self._outputs.pop(rid, None)
-                        target[0].call_soon_threadsafe(target[1].put_nowait, e)
+                        emit(e)
             elif cmd[0] == "abort":
                 req = self.engine.requests.get(cmd[1])
                 self.engine.abort(cmd[1])
                 if req is not None and self.metrics is not None:
-                    self.metrics.finished(req)
+                    self.metrics.finished("abort", timing_of(req))
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
 
     def _deliver(self, req) -> None:
-        target = self._outputs.get(req.request_id)
+        emit = self._outputs.get(req.request_id)
         finished = req.finish_reason is not None
+        timing = timing_of(req) if finished else None
         if finished:
             self._outputs.pop(req.request_id, None)
             if self.metrics is not None:
-                self.metrics.finished(req)
-        if target is None:
+                self.metrics.finished(req.finish_reason, timing)
+        if emit is None:
             return
         n = len(req.logprobs)
-        d = Delta([req.token_ids[-1]], req.stream.delta if req.stream is not None else "", finished,
-                  req.finish_reason, req.logprobs[n - 1:] if n and req.params.logprobs is not None else [],
-                  req.top_logprobs[n - 1:] if n and req.params.logprobs is not None else [],
-                  req if finished else None)
-        loop, out, tag = target
-        loop.call_soon_threadsafe(out.put_nowait, (tag, d))
+        emit(Delta([req.token_ids[-1]], req.stream.delta if req.stream is not None else "", finished,
+                   req.finish_reason, req.logprobs[n - 1:] if n and req.params.logprobs is not None else [],
+                   req.top_logprobs[n - 1:] if n and req.params.logprobs is not None else [], timing))
 
 
 def now() -> int:

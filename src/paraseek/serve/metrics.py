@@ -31,6 +31,8 @@ class ServerMetrics:
                                 registry=r)
         self.errors = Counter("paraseek_request_errors", "Requests answered with an error, by HTTP status.",
                               ["status"], registry=r)
+        self.routed = Counter("paraseek_replica_requests", "Requests sent to each model replica (--dp).", ["replica"],
+                              registry=r)
         self.ttft = Histogram("paraseek_time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("paraseek_time_per_output_token_seconds", "Mean time between output tokens.",
@@ -38,16 +40,16 @@ class ServerMetrics:
         self.e2e = Histogram("paraseek_e2e_request_latency_seconds", "Arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
-    def finished(self, req) -> None:
-        self.requests.labels(req.finish_reason or "abort").inc()
-        if req.first_token_time is None:
+    def finished(self, finish_reason: str | None, timing: tuple | None) -> None:
+        """A request ended: its reason, and (time to first token, end to end, output tokens) if it had a token."""
+        self.requests.labels(finish_reason or "abort").inc()
+        if timing is None:
             return
-        self.ttft.observe(req.first_token_time - req.arrival)
-        end = req.finish_time or req.first_token_time
-        self.e2e.observe(end - req.arrival)
-        if req.num_output > 1:
-            self.tpot.observe((end - req.first_token_time) / (req.num_output - 1))
-
+        ttft, e2e, n_out = timing
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+        if n_out > 1:
+            self.tpot.observe((e2e - ttft) / (n_out - 1))
 
 class _EngineCounters:
     """The engine's running totals as Prometheus counters (they only grow), read at scrape time."""
