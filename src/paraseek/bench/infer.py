@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, parse_range
 
 
 @dataclass
@@ -116,13 +116,7 @@ def _timed_engine(engine, cost: StepCost):
 
 
 def _lengths(spec: str, n: int, rng, what: str) -> list[int]:
-    try:
-        lo, _, hi = spec.partition(":")
-        lo, hi = int(lo), int(hi or lo)
-    except ValueError:
-        raise UserError(f"--{what} {spec!r}: expected N or LO:HI") from None
-    if not 1 <= lo <= hi:
-        raise UserError(f"--{what} {spec!r}: need 1 <= LO <= HI")
+    lo, hi = parse_range(spec, f"--{what}")
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 

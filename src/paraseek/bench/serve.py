@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, parse_range, read_jsonl_objects
 
 # Random prompt ids come from here: every real vocabulary has these ids, and special tokens sit at its ends.
 _ID_RANGE = (16, 1000)
@@ -60,18 +60,6 @@ class Result:
 
 
 # ---- input ----------------------------------------------------------------------------------------------------------
-def parse_range(spec: str, what: str) -> tuple[int, int]:
-    """N or LO:HI (inclusive), both >= 1."""
-    try:
-        lo, _, hi = spec.partition(":")
-        lo_i, hi_i = int(lo), int(hi or lo)
-    except ValueError:
-        raise UserError(f"{what} must be N or LO:HI with integers, got {spec!r}") from None
-    if not 1 <= lo_i <= hi_i:
-        raise UserError(f"{what} must be N or LO:HI with 1 <= LO <= HI, got {spec!r}")
-    return lo_i, hi_i
-
-
 def parse_rate(spec: str, what: str = "--request-rate") -> float:
     try:
         r = float(spec)
@@ -100,17 +88,9 @@ def make_jobs(ns: argparse.Namespace, rng: random.Random) -> list[Job]:
 
 def _read_prompts(ns, rng, out_lo, out_hi) -> list[Job]:
     path = Path(ns.prompts)
-    if not path.is_file():
-        raise UserError(f"--prompts {path}: no such file")
     jobs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not ({"prompt", "prompt_token_ids", "messages"} & row.keys()):
+    for n, row in read_jsonl_objects(path, "prompt, prompt_token_ids or messages"):
+        if not ({"prompt", "prompt_token_ids", "messages"} & row.keys()):
             raise UserError(f"{path}:{n}: expected an object with prompt, prompt_token_ids or messages")
         prompt = row.get("messages") or row.get("prompt_token_ids") or row.get("prompt")
         if ns.endpoint == "chat" and "messages" not in row:

@@ -308,19 +308,9 @@ class Prompt:
 def read_prompts(ns: argparse.Namespace, tokenizer) -> list[Prompt]:
     rows: list[dict[str, Any]] = [{"prompt": t} for t in ns.prompt or []]
     if ns.prompts:
-        path = Path(ns.prompts)
-        if not path.is_file():
-            raise UserError(f"--prompts {path}: no such file")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{n}: expected an object with prompt, prompt_token_ids or messages")
-            rows.append(row)
+        from paraseek.errors import read_jsonl_objects
+
+        rows += [row for _, row in read_jsonl_objects(ns.prompts, "prompt, prompt_token_ids or messages")]
     if not rows:
         raise UserError("nothing to generate: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     from paraseek.infer.sampling import SamplingParams
