@@ -28,7 +28,6 @@ from paraseek.models.hf import load_state_into
 from paraseek.parallel.apply import apply_activation_checkpointing, apply_compile
 from paraseek.parallel.tensor import (
     apply_tensor_parallel,
-    check_tensor_parallel,
     clip_grad_norm_,
     init_weights_tp,
     local_value,
@@ -258,17 +257,3 @@ def test_tp2_compiled_nccl_matches_single_gpu(folders, tmp_path):
     outs = spawn(tp_vs_reference, 2, tmp_path, folders={"tiny-moe": str(folders["tiny-moe"])},
                   sequence_parallel=[True], ac="selective", device="cuda", compile=True)
     _check(outs, "tiny-moe", rtol=1e-3)
-
-
-# ---- errors, in-process ---------------------------------------------------------------------------------------------------
-def test_tp_must_divide_the_heads():
-    dense = ModelArgs.from_hf_config(preset_config("tiny-dense"))  # 4 heads, 2 kv heads
-    check_tensor_parallel(dense, 2)
-    with pytest.raises(UserError, match=r"--tp 4 does not divide .*key/value heads.* = 2; --tp 2 would"):
-        check_tensor_parallel(dense, 4)
-    with pytest.raises(UserError, match=r"--tp 3 does not divide .*attention heads"):
-        check_tensor_parallel(dense, 3)
-    moe = ModelArgs.from_hf_config(preset_config("tiny-moe"))  # MLA: 4 heads, no kv-head constraint
-    check_tensor_parallel(moe, 4)
-    with pytest.raises(UserError, match="attention heads"):
-        check_tensor_parallel(moe, 8)

@@ -16,9 +16,8 @@ the first holds the embedding, the last the final norm and head; the others take
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,56 +25,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import Transformer
-
-# torch.distributed.pipelining's names. Single-stage schedules hold one stage per rank, the others v >= 2.
-SINGLE_SCHEDULES = ("GPipe", "1F1B")
-MULTI_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-SCHEDULES = SINGLE_SCHEDULES + MULTI_SCHEDULES
-
-
-def default_virtual_stages(schedule: str) -> int:
-    return 1 if schedule in SINGLE_SCHEDULES else 2
-
-
-def check_pipeline(args: ModelArgs, pp: int, v: int, schedule: str, n_microbatches: int, *, compile: bool = False,
-                   precision: str = "bf16") -> None:
-    """Raise UserError for a pipeline that cannot run: unknown schedule, stages vs layers, micro-batch counts, and
-    what the engine does not combine with pipelining."""
-    if pp < 1 or v < 1:
-        raise UserError(f"--pp {pp} and --pp-virtual-stages {v} must be positive")
-    if pp == 1:
-        return
-    if schedule not in SCHEDULES:
-        raise UserError(f"--pp-schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if schedule in SINGLE_SCHEDULES and v != 1:
-        raise UserError(f"--pp-schedule {schedule} runs one stage per rank; use --pp-virtual-stages 1 or an "
-                        f"interleaved schedule ({', '.join(MULTI_SCHEDULES)})")
-    if schedule in MULTI_SCHEDULES and v < 2:
-        raise UserError(f"--pp-schedule {schedule} needs --pp-virtual-stages 2 or more")
-    if schedule == "ZBVZeroBubble" and v != 2:
-        raise UserError("--pp-schedule ZBVZeroBubble holds exactly 2 stages per rank (--pp-virtual-stages 2)")
-    if precision == "fp16":
-        raise UserError("--pp with --precision fp16 is not supported (the loss scaler would have to scale the loss "
-                        "inside the schedule and agree across stages); use bf16")
-    if compile and "ZeroBubble" in schedule:
-        raise UserError(f"--pp-schedule {schedule} splits the backward into input and weight parts, which "
-                        "torch.compile'd blocks do not support; use 1F1B or Interleaved1F1B with --compile")
-    if pp * v > args.n_layers:
-        raise UserError(f"--pp {pp} x --pp-virtual-stages {v} = {pp * v} stages, but the model has "
-                        f"{args.n_layers} layers (each stage needs at least one)")
-    if args.tie_embeddings:
-        raise UserError("--pp with tied input/output embeddings is not supported (the first and last stages "
-                        "would share one weight); use --tp or FSDP for this model")
-    if n_microbatches < pp:
-        raise UserError(f"--pp {pp} needs at least {pp} micro-batches per step to fill the pipeline, but "
-                        f"global batch / (micro-batch x data-parallel size) = {n_microbatches}; raise "
-                        "--global-batch-size or lower --micro-batch-size")
-    if schedule in MULTI_SCHEDULES and n_microbatches % pp:
-        raise UserError(f"--pp-schedule {schedule} needs a multiple of --pp {pp} micro-batches per step, got "
-                        f"{n_microbatches}")
+from paraseek.planner.dims import SCHEDULES, SINGLE_SCHEDULES  # the schedules and their rules: ParallelDims
 
 
 @dataclass(frozen=True)

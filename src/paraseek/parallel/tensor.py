@@ -57,33 +57,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from paraseek.errors import UserError
-from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import MLA, MLP, Attention, Block, MoE, Transformer
 
 # Modules whose own parameters get partial gradients over tp; the value is the tp mesh (see reduce_tp_grads).
 _PARTIAL_GRAD_ATTR = "_paraseek_tp_partial_grad_mesh"
-
-
-def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
-    """Raise UserError unless `tp` divides every dimension that tensor parallelism shards for this model."""
-    if tp < 1:
-        raise UserError(f"--tp {tp}: the tensor-parallel degree must be at least 1")
-    if tp == 1:
-        return
-    dims = {"attention heads (num_attention_heads)": args.n_heads, "vocab_size": args.vocab_size}
-    if not args.is_mla:
-        dims["key/value heads (num_key_value_heads)"] = args.n_kv_heads
-    if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
-        dims["intermediate_size"] = args.inter_dim
-    if args.n_routed_experts and args.n_shared_experts:
-        dims["shared-expert width (moe_intermediate_size x n_shared_experts)"] = args.moe_inter_dim * args.n_shared_experts
-    bad = {name: n for name, n in dims.items() if n % tp}
-    if bad:
-        fits = [d for d in range(2, 65) if all(n % d == 0 for n in dims.values())]
-        what = ", ".join(f"{name} = {n}" for name, n in bad.items())
-        hint = f"--tp {' or '.join(map(str, fits))} would" if fits else "only --tp 1 does"
-        raise UserError(f"--tp {tp} does not divide the model's {what}; {hint}")
 
 
 class _ReplicateKeepPartialGrad(torch.autograd.Function):
@@ -191,10 +168,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     activation checkpointing, torch.compile and FSDP2, on the meta device or on real weights.
 
     Tied embeddings are supported: the embedding's vocab-sharded weight serves as the column-parallel head.
-    The MTP modules (not run by `forward`) stay replicated. Sequence lengths must be divisible by tp under SP."""
+    The MTP modules (not run by `forward`) stay replicated. tp must divide the model's heads, widths and vocabulary,
+    and under SP the sequence length (planner.dims.ParallelDims.check says so before a run starts)."""
     tp = tp_mesh.size()
-    args = model.args
-    check_tensor_parallel(args, tp)
     if tp == 1:
         return
     if any(not isinstance(b, Block) for b in model.layers.values()):
@@ -228,7 +204,6 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
                            PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False))
     if sequence_parallel:
         model.seq_shards = tp
-        model.register_forward_pre_hook(_check_seq_len(tp))
 
 
 def _sync_redistribute(layout):
@@ -239,15 +214,6 @@ def _sync_redistribute(layout):
 
     def hook(module: nn.Module, args: tuple, out: DTensor) -> DTensor:
         return out.redistribute(placements=(layout,)) if out.placements != (layout,) else out
-
-    return hook
-
-
-def _check_seq_len(tp: int):
-    def hook(module: nn.Module, args: tuple) -> None:
-        if args and args[0].dim() == 2 and args[0].shape[1] % tp:
-            raise UserError(f"sequence length {args[0].shape[1]} is not divisible by --tp {tp}, as sequence "
-                            f"parallelism needs; choose a --seq-len that is a multiple of {tp}")
 
     return hook
 
@@ -355,6 +321,6 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "apply_tensor_parallel", "check_tensor_parallel", "reduce_tp_grads", "init_weights_tp", "grad_norm",
+    "apply_tensor_parallel", "reduce_tp_grads", "init_weights_tp", "grad_norm",
     "clip_grad_norm_", "tp_loss", "loss_context", "local_value",
 ]

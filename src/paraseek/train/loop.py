@@ -150,11 +150,11 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     dataset = open_dataset(cfg.data, seq_len=cfg.seq_len, vocab_size=args.vocab_size, tokenizer=cfg.tokenizer or None,
                            seed=cfg.seed)
     loader = DataLoader(dataset, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
-                        dp_rank=dp_rank, dp_size=cfg.dp_size)
+                        dp_rank=dp_rank, dp_size=cfg.dims.dp)
 
     # meta -> (pipeline stages) -> parallelize -> materialize -> init or load (no rank ever holds the whole model)
     if cfg.pp > 1:
-        specs = stage_specs(args, cfg.seq_len, cfg.n_stages)
+        specs = stage_specs(args, cfg.seq_len, cfg.dims.n_stages)
         stage_ids = rank_stages(mesh["pp"].get_local_rank(), cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
         parts = [build_stage(args, specs[sid]) for sid in stage_ids]
     else:
@@ -179,7 +179,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
             # forward would all-gather the stage's parameters once per micro-batch (TorchTitan keeps them too).
             # Without pipelining, keeping them gathered saves all-gathers; with one data-parallel rank there are
             # none to save, only the memory of a second (bf16) copy, so the flag is ignored there.
-            keep_gathered = cfg.pp > 1 or (not cfg.reshard_after_forward and cfg.dp_size > 1)
+            keep_gathered = cfg.pp > 1 or (not cfg.reshard_after_forward and cfg.dims.dp > 1)
             apply_fsdp(part, mesh, cfg.precision, not keep_gathered, cfg.cpu_offload, meshes.get("expert_dp"))
         part.to_empty(device="cpu" if cfg.cpu_offload else device)
         if cfg.init_from:
@@ -254,7 +254,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     flops_tok = flops_per_token(args, cfg.seq_len)
     peak = peak_flops(torch.cuda.get_device_name(device), cfg.precision) if device.type == "cuda" else None
     tokens_per_step = cfg.global_batch_size * cfg.seq_len
-    tokens_per_rank_step = tokens_per_step // cfg.dp_size
+    tokens_per_rank_step = tokens_per_step // cfg.dims.dp
     logger = MetricsLogger(enabled=is_main, total_steps=cfg.steps, jsonl=cfg.metrics_jsonl,
                            tensorboard=cfg.tensorboard, log_every=cfg.log_every,
                            unit="gpu" if device.type == "cuda" else "rank")
