@@ -18,13 +18,12 @@ from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import Gate, MoE, Transformer
 from paraseek.models.hf import load_state_into
-from paraseek.parallel.apply import apply_activation_checkpointing
+from paraseek.parallel.parallelize import apply_activation_checkpointing
 from paraseek.parallel.expert import (
     ExpertLoad,
     apply_expert_parallel,
     balance_loss_value,
     enable_balance_loss,
-    ep_meshes,
     expert_balance_loss,
     load_stats,
     moe_layers,
@@ -160,24 +159,23 @@ FSDP_LAYOUTS = [(1, 4, 2), (1, 4, 4), (2, 2, 2)]  # (dp_replicate, dp_shard, ep)
 
 
 def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
-    """The engine's mesh and FSDP2 (apply.build_mesh, apply.apply_fsdp) with the experts EP-sharded first and
-    FSDP-sharded over the dp ranks outside the EP group; the HF loader; the global gradient norm; an AdamW step (as
-    the engine builds it); a DCP checkpoint written by each layout and read back by the next one."""
-    from paraseek.parallel.apply import apply_fsdp, build_mesh
-    from paraseek.parallel.expert import apply_expert_fsdp, clip_grad_norm
+    """The engine's mesh and order (mesh.ParallelMesh, parallelize.parallelize: the experts EP-sharded first, then
+    FSDP-sharded over the dp ranks outside the EP group, FSDP2 for the rest); the HF loader; the global gradient
+    norm; an AdamW step (as the engine builds it); a DCP checkpoint written by each layout and read back by the next."""
+    from paraseek.parallel.mesh import ParallelMesh
+    from paraseek.parallel.parallelize import parallelize
+    from paraseek.planner.dims import ParallelDims
     from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from paraseek.train.optim import clip_grad_norm
 
     ref_loss, ref_grads, _ = torch.load(Path(folder) / "reference.pt")
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads.values()])).item()
     results = {}
     saved: dict[str, torch.Tensor] | None = None
     for i, (dp_replicate, dp_shard, ep) in enumerate(FSDP_LAYOUTS):
-        mesh = build_mesh("cpu", dp_replicate, dp_shard, ep)
-        meshes = ep_meshes(mesh, ep)
+        mesh = ParallelMesh(ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep), "cpu")
         model = _meta_model()
-        apply_expert_parallel(model, meshes["ep"])
-        apply_expert_fsdp(model, meshes["expert_dp"], dp_size=world)
-        apply_fsdp(model, mesh, "fp32", reshard_after_forward=True, cpu_offload=False)
+        parallelize(model, mesh, precision="fp32")
         model.to_empty(device="cpu")
         model.init_weights(device=torch.device("cpu"))  # works on the sharded experts (then overwritten)
         load_state_into(model, folder)

@@ -25,16 +25,9 @@ from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config, read_hf_config
 from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
-from paraseek.parallel.apply import apply_activation_checkpointing, apply_compile
-from paraseek.parallel.tensor import (
-    apply_tensor_parallel,
-    clip_grad_norm_,
-    init_weights_tp,
-    local_value,
-    loss_context,
-    reduce_tp_grads,
-    tp_loss,
-)
+from paraseek.parallel.parallelize import apply_activation_checkpointing, apply_compile
+from paraseek.parallel.tensor import apply_tensor_parallel, full_value, init_weights_tp, loss_context, reduce_tp_grads
+from paraseek.train.optim import clip_grad_norm, token_loss
 
 from dist_helpers import seeded_model, spawn  # noqa: E402
 
@@ -138,7 +131,7 @@ def _compare(folder: str, mesh, sequence_parallel: bool, dp: int, ac: str, devic
     tp_mesh = mesh["tp"]
     with torch.device("meta"):
         model = Transformer(ref.args)
-    apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
+    partial = apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
     if ac != "none":
         apply_activation_checkpointing(model, ac)
     if compile:
@@ -176,16 +169,16 @@ def _compare(folder: str, mesh, sequence_parallel: bool, dp: int, ac: str, devic
             logits = model(mine[:, :-1])
             assert isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
             assert logits.to_local().shape[-1] == 2048 // tp_mesh.size()  # vocab-sharded, never gathered
-            loss = tp_loss(logits, mine[:, 1:]) / mine[:, 1:].numel()
+            loss = token_loss(logits, mine[:, 1:]) / mine[:, 1:].numel()
             loss.backward()
-        reduce_tp_grads(model)
-        loss_value = local_value(loss).detach().clone()
+        reduce_tp_grads(model, partial, tp_mesh)
+        loss_value = full_value(loss).detach().clone()
         if dp > 1:
             dist.all_reduce(loss_value, group=mesh["dp_shard"].get_group())
             loss_value /= dp
         if step == 0:
             out["grad_errors"] = {n: _rel(_full(p.grad), ref_grads[n]) for n, p in params.items()}
-        norm = clip_grad_norm_(list(params.values()), MAX_NORM)
+        norm = clip_grad_norm(list(params.values()), MAX_NORM)
         if step == 0:
             out["norm"], out["ref_norm"] = norm.item(), ref_norm.item()
             out["clipped_grad_errors"] = {n: _rel(_full(p.grad), ref_params[n].grad) for n, p in params.items()}

@@ -397,25 +397,20 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(args.n_layers + k, args) for k in range(args.n_mtp_layers))
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
-        # Sequence-parallel degree: a pipeline stage without the embedding receives hidden states holding only
-        # T / seq_shards positions under sequence parallelism (set by apply_tensor_parallel).
-        self.seq_shards = 1
 
     def rope_cos_sin(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
         angles_TR = torch.outer(pos_T, self.rope_inv_freq.to(device=device, dtype=torch.float32))
         return angles_TR.cos() * self.rope_attn_factor, angles_TR.sin() * self.rope_attn_factor
 
-    def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids_BT: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits). A pipeline
-        stage without the embedding takes hidden states instead of ids ([B, T / tp, D] under sequence parallelism),
-        and one without the final norm returns its last block's output."""
-        if self.embed_tokens is not None:
-            h_BTD, seq_len = self.embed_tokens(input_ids_BT), input_ids_BT.shape[1]
-        else:
-            h_BTD, seq_len = input_ids_BT, input_ids_BT.shape[1] * self.seq_shards
+        stage without the embedding takes hidden states instead of ids, and one without the final norm returns its
+        last block's output. `seq_len`: the whole sequence's length when the input holds only part of its positions
+        (a later pipeline stage under sequence parallelism receives T / tp of them); default its own length."""
+        h_BTD = self.embed_tokens(input_ids_BT) if self.embed_tokens is not None else input_ids_BT
         # RoPE over the whole sequence: under sequence parallelism h_BTD holds only this rank's T / tp positions.
-        cos_TR, sin_TR = self.rope_cos_sin(seq_len, h_BTD.device)
+        cos_TR, sin_TR = self.rope_cos_sin(seq_len or input_ids_BT.shape[1], h_BTD.device)
         cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, cos_TR, sin_TR)
@@ -424,11 +419,12 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
-                loss_chunks: int = 0) -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None, loss_chunks: int = 0,
+                seq_len: int | None = None) -> torch.Tensor:
         """Logits [B, T, V]; or, given labels and loss_chunks > 0, the summed token cross-entropy computed chunk by
-        chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered."""
-        h_BTD = self.hidden_states(input_ids_BT)
+        chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered. `seq_len`:
+        see hidden_states."""
+        h_BTD = self.hidden_states(input_ids_BT, seq_len)
         if self.norm is None:  # a pipeline stage before the last: its output is the next stage's input
             return h_BTD
         if labels_BT is not None and loss_chunks > 0:

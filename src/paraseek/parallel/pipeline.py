@@ -105,11 +105,15 @@ def whole_model_view(args: ModelArgs, stages: list[Transformer]) -> Transformer:
 
 class Pipeline:
     """This rank's stages and torch's schedule; `step(inputs, labels)` runs forward and backward of every
-    micro-batch and returns the losses the last stage computed (an empty list on other ranks)."""
+    micro-batch and returns the losses the last stage computed (an empty list on other ranks). `seq_shards`: the
+    hidden states between stages hold T / seq_shards positions (tensor parallelism's sequence sharding)."""
 
     def __init__(self, stages: list[Transformer], stage_ids: list[int], n: int, schedule: str, n_microbatches: int,
-                 loss_fn, device: torch.device, group: dist.ProcessGroup):
+                 loss_fn, device: torch.device, group: dist.ProcessGroup, seq_shards: int = 1):
         self.has_first, self.has_last = 0 in stage_ids, n - 1 in stage_ids
+        for st in stages:
+            if st.embed_tokens is None and seq_shards > 1:
+                st.register_forward_pre_hook(_whole_sequence_length(seq_shards), with_kwargs=True)
         pipe_stages = [PipelineStage(st, sid, n, device, group=group) for st, sid in zip(stages, stage_ids)]
         cls = get_schedule_class(schedule)
         # scale_grads=False: the loss is already normalized by the tokens per rank and step (see train.loop).
@@ -130,3 +134,13 @@ class Pipeline:
         else:
             self.schedule.step(*args, **self.step_kw)
         return losses
+
+
+def _whole_sequence_length(seq_shards: int):
+    """A stage's forward pre-hook: the schedule calls a stage with its input alone, which for a stage after the
+    first holds T / seq_shards positions; RoPE needs the whole sequence's length (Transformer.forward's seq_len)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "seq_len": args[0].shape[1] * seq_shards}
+
+    return hook
