@@ -31,6 +31,7 @@ from paraseek.parallel.expert import (
 )
 
 from dist_helpers import seeded_model, spawn  # noqa: E402
+from numerics import normal_init, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -67,10 +68,6 @@ def _reference(folder: Path) -> tuple[float, dict[str, torch.Tensor], dict[str, 
     loss.backward()
     return (loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()},
             {n: p.detach().clone() for n, p in model.named_parameters()})
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +131,7 @@ def ep_only(rank: int, world: int, root: Path, folder: str) -> dict:
             dist.all_reduce(g)
             got = g / world
             ref = ref_grads[name]
-        errors[name] = _rel(got, ref)
+        errors[name] = rel_error(got, ref)
     return {"loss": total.item() / world, "ref_loss": ref_loss, "errors": errors, "n_local": n_experts_local,
             "ac_equal": ac_equal, "tokens_per_expert": [m.tokens_per_expert.clone() for m in moe_layers(model)]}
 
@@ -184,7 +181,7 @@ def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
         loss.backward()
         total = torch.tensor([loss.item()])
         dist.all_reduce(total)
-        errors = {name: _rel(p.grad.full_tensor(), ref_grads[name]) for name, p in model.named_parameters()}
+        errors = {name: rel_error(p.grad.full_tensor(), ref_grads[name]) for name, p in model.named_parameters()}
         params = list(model.parameters())
         norm = clip_grad_norm(params, 0.0).item()
         clipped = clip_grad_norm(params, 0.5 * norm).item()  # clips to half: the norm afterwards is half
@@ -195,7 +192,7 @@ def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
         restored = None
         if saved is not None:
             load_checkpoint(latest_checkpoint(root / "ckpt"), model, optimizer)
-            restored = max(_rel(p.full_tensor(), saved[n]) for n, p in model.named_parameters())
+            restored = max(rel_error(p.full_tensor(), saved[n]) for n, p in model.named_parameters())
         optimizer.step()
         saved = {n: p.full_tensor() for n, p in model.named_parameters()}
         save_checkpoint(root / "ckpt", i + 1, model, optimizer, {})
@@ -333,8 +330,7 @@ def test_balance_loss_hook_adds_its_gradient(model):
                    aux_loss_alpha=0.01, seq_aux=False, norm_topk_prob=False, routed_scaling_factor=1.0)
     args = ModelArgs.from_hf_config(cfg)
     torch.manual_seed(0)
-    moe = MoE(args)
-    moe.init_weights(0.5)
+    moe = normal_init(MoE(args), 0.5)
     x = torch.randn(2, 6, args.dim)
     out_plain = moe(x)
     alpha = enable_balance_loss(moe, 0.1 if model == "tiny-moe" else None, scale=0.5)

@@ -28,9 +28,6 @@ class RMSNorm(nn.Module):
         x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x_fp32.to(x.dtype)
 
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 # ---- rotary position embedding ----------------------------------------------------------------------------------------
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -114,10 +111,6 @@ class Attention(nn.Module):
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
-    def init_weights(self, std: float) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            _init_linear(lin, std)
-
 
 class MLA(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 paper, sec. 2.1): queries optionally through a low-rank q_lora,
@@ -164,14 +157,6 @@ class MLA(nn.Module):
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
-    def init_weights(self, std: float) -> None:
-        for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-            if hasattr(self, name):
-                _init_linear(getattr(self, name), std)
-        for norm in (getattr(self, "q_a_layernorm", None), self.kv_a_layernorm):
-            if norm is not None:
-                norm.init_weights()
-
 
 # ---- feed-forward -----------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
@@ -185,10 +170,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def init_weights(self, std: float) -> None:
-        for lin in (self.gate_proj, self.up_proj, self.down_proj):
-            _init_linear(lin, std)
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -228,10 +209,6 @@ class Experts(nn.Module):
             x_MD, self.up_proj, counts_E, use_grouped
         )
         return grouped_mm(h_MF, self.down_proj, counts_E, use_grouped)
-
-    def init_weights(self, std: float) -> None:
-        for w in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(w, std=std)
 
 
 class Gate(nn.Module):
@@ -274,11 +251,6 @@ class Gate(nn.Module):
         if a.norm_topk_prob and a.n_activated_experts > 1:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
         return weights_NK * a.routed_scaling_factor, idx_NK, scores_NE
-
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, std=std)
-        if self.e_score_correction_bias is not None:
-            self.e_score_correction_bias.zero_()
 
 
 class MoE(nn.Module):
@@ -329,13 +301,6 @@ class MoE(nn.Module):
             out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND.view(shape)
 
-    def init_weights(self, std: float) -> None:
-        self.gate.init_weights(std)
-        self.experts.init_weights(std)
-        if self.shared_experts is not None:
-            self.shared_experts.init_weights(std)
-        self.tokens_per_expert.zero_()
-
 
 # ---- blocks and the model ---------------------------------------------------------------------------------------------
 class Block(nn.Module):
@@ -353,12 +318,6 @@ class Block(nn.Module):
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_TR, sin_TR)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
-    def init_weights(self, std: float) -> None:
-        self.self_attn.init_weights(std)
-        self.mlp.init_weights(std)
-        self.input_layernorm.init_weights()
-        self.post_attention_layernorm.init_weights()
-
 
 class MTPModule(nn.Module):
     """DeepSeek-V3 multi-token prediction module (V3 report, sec. 2.2): predicts token t+1+k from block k's hidden
@@ -375,12 +334,6 @@ class MTPModule(nn.Module):
     def forward(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
         return self.block(x, cos_TR, sin_TR)
-
-    def init_weights(self, std: float) -> None:
-        for norm in (self.enorm, self.hnorm, self.norm):
-            norm.init_weights()
-        _init_linear(self.eh_proj, std)
-        self.block.init_weights(std)
 
 
 class Transformer(nn.Module):
@@ -434,47 +387,43 @@ class Transformer(nn.Module):
         # Through the lm_head module (same math as F.linear) so that a tensor-parallel plan's hooks on it apply.
         return self.lm_head(h_BTD) if self.lm_head is not None else F.linear(h_BTD, self.embed_tokens.weight)
 
+    def init_rule(self, name: str, std: float = 0.02) -> tuple[str, float]:
+        """How the parameter or persistent buffer `name` (its checkpoint name) starts: ("normal", std of the draw),
+        ("ones", 1) for the norms' gains or ("zeros", 0) for biases and V3's routing bias. The projections that write
+        into the residual stream (attention's o_proj, every down_proj) draw with std / sqrt(2 * n_layers), GPT-2's
+        residual scaling (Radford et al. 2019, sec. 2.3), so that deep stacks start stable; the untied head with
+        dim^-0.5, so its logits start at unit scale."""
+        if name.endswith("norm.weight"):  # every RMSNorm: *_layernorm, norm, MTP's enorm/hnorm/norm
+            return "ones", 1.0
+        if name.endswith("bias"):  # q/k/v/o biases, mlp.gate.e_score_correction_bias
+            return "zeros", 0.0
+        if name == "lm_head.weight":
+            return "normal", self.args.dim**-0.5
+        if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+            return "normal", std / math.sqrt(2 * self.args.n_layers)
+        return "normal", std
+
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, device: torch.device | None = None) -> None:
-        """Initialize every parameter and buffer in place (after `to_empty` from the meta device). Output projections
-        get std / sqrt(2 * n_layers) (GPT-2's residual scaling) so deep stacks start stable."""
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        if self.embed_tokens is not None:
-            nn.init.normal_(self.embed_tokens.weight, std=std)
-        for layer in self.layers.values():
-            layer.init_weights(std)
-            _rescale_outputs(layer, out_std)
-        for m in self.mtp:
-            m.init_weights(std)
-            _rescale_outputs(m.block, out_std)
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, std=self.args.dim**-0.5)
+    def init_weights(self, std: float = 0.02, device: torch.device | None = None, seed: int | None = None) -> None:
+        """Initialize every parameter and buffer in place (after `to_empty` from the meta device) by `init_rule`,
+        each tensor from its own generator seeded by (seed, its name): a pipeline stage, an FSDP2/TP/EP shard or one
+        process all hold the same values of it (models/init.py). seed None: drawn from torch's global generator,
+        so that torch.manual_seed(s) before build_model is reproducible."""
+        from paraseek.models.init import init_weights
+
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        init_weights(self, lambda name: self.init_rule(name, std), seed, device)
         self.init_buffers(device)
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | None = None) -> None:
-        """Recompute the non-persistent buffers (RoPE), which `to_empty` leaves uninitialized."""
+        """Recompute the non-persistent buffers (RoPE, the routing counts), which `to_empty` leaves uninitialized."""
         inv_freq, self.rope_attn_factor = rope_inv_freq(self.args)
         self.rope_inv_freq = inv_freq.to(device or self.rope_inv_freq.device)
-
-
-def _init_linear(lin: nn.Linear, std: float) -> None:
-    nn.init.normal_(lin.weight, std=std)
-    if lin.bias is not None:
-        nn.init.zeros_(lin.bias)
-
-
-def _rescale_outputs(block: Block, out_std: float) -> None:
-    nn.init.normal_(block.self_attn.o_proj.weight, std=out_std)
-    mlp = block.mlp
-    if isinstance(mlp, MoE):
-        nn.init.normal_(mlp.experts.down_proj, std=out_std)
-        if mlp.shared_experts is not None:
-            nn.init.normal_(mlp.shared_experts.down_proj.weight, std=out_std)
-    else:
-        nn.init.normal_(mlp.down_proj.weight, std=out_std)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.tokens_per_expert.zero_()
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta", dtype: torch.dtype | None = None) -> Transformer:

@@ -236,30 +236,6 @@ def reduce_tp_grads(model: nn.Module, partial: list[nn.Module], tp_mesh: DeviceM
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-def _sharded_over_tp(t: torch.Tensor, tp_name: str) -> bool:
-    if not isinstance(t, DTensor) or tp_name not in (t.device_mesh.mesh_dim_names or ()):
-        return False  # plain, or a DTensor on a mesh without tp (FSDP2's dp shards of a tp-replicated parameter)
-    return not t.placements[t.device_mesh.mesh_dim_names.index(tp_name)].is_replicate()
-
-
-@torch.no_grad()
-def init_weights_tp(model: Transformer, tp_mesh: DeviceMesh, seed: int, device: torch.device | None = None) -> None:
-    """Initialize a tensor-parallel model from scratch (after `to_empty`): its tp shards drawn independently, its
-    tp-replicated parameters and buffers the same on every tp rank. `seed` as without TP (the loop's seed + dp
-    shard coordinate). DTensor's own RNG tracker exists only for CUDA meshes: on a CPU mesh every tp rank would draw
-    the same shard, duplicating heads and columns, so the seed is offset by the tp coordinate here and whatever is
-    replicated over tp is then broadcast from tp rank 0."""
-    tp_name = (tp_mesh.mesh_dim_names or ("tp",))[0]
-    torch.manual_seed(seed + 1_000_003 * tp_mesh.get_local_rank())
-    model.init_weights(device=device)
-    group = tp_mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    for t in [*model.parameters(), *model.buffers()]:
-        if not _sharded_over_tp(t, tp_name):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            dist.broadcast(local, src=src, group=group)
-
-
 def loss_context(tensor_parallel: bool):
     """`loss_parallel()` when the model is tensor-parallel, else a no-op; wrap forward, loss and backward in it."""
     return loss_parallel() if tensor_parallel else nullcontext()
@@ -271,4 +247,4 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-__all__ = ["apply_tensor_parallel", "reduce_tp_grads", "init_weights_tp", "loss_context", "full_value"]
+__all__ = ["apply_tensor_parallel", "reduce_tp_grads", "loss_context", "full_value"]

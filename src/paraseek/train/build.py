@@ -1,6 +1,7 @@
 """This rank's model, in the order no rank ever holds the whole model: build on the meta device (only this rank's
-pipeline stages) -> parallelize (parallel/parallelize.py) -> materialize -> initialize or load an HF folder ->
-(DDP); then `resume` puts a checkpoint's model, optimizer and data position in place."""
+pipeline stages) -> parallelize (parallel/parallelize.py) -> materialize -> initialize (the same weights under every
+plan, models/init.py) or load an HF folder -> (DDP); then `resume` puts a checkpoint's model, optimizer and data
+position in place."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from paraseek.models.hf import load_state_into
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
-from paraseek.parallel.tensor import init_weights_tp
 from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader
@@ -41,6 +41,7 @@ class Model:
 
 
 def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
+    torch.manual_seed(cfg.seed)  # torch's global generator, for whatever draws from it (nothing in the model does)
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
     dims = mesh.dims
     specs, stage_ids = None, [0]
@@ -65,15 +66,8 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
         if cfg.init_from:
             load_state_into(part, cfg.init_from, stage=dims.pp > 1)
             part.init_buffers(device)
-        else:
-            # Shards differ, replicas agree: seed by the shard coordinate (and the stage).
-            seed = cfg.seed + mesh.dp_shard.get_local_rank() + 1000 * sid
-            if mesh.tp is not None:  # tp shards drawn apart, tp-replicated weights equal (see init_weights_tp)
-                init_weights_tp(part, mesh.tp, seed, device)
-            else:
-                torch.manual_seed(seed)
-                part.init_weights(device=device)
-    torch.manual_seed(cfg.seed)
+        else:  # every tensor from its own (seed, name) generator: each layout starts from one process's weights
+            part.init_weights(device=device, seed=cfg.seed)
     inner = parts[0] if dims.pp == 1 else whole_model_view(args, parts)
     model = apply_ddp(inner, mesh, device, cfg.grad_compression) if dims.ddp else inner
     return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from paraseek.errors import UserError
+from paraseek.seeding import derive_seed
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_CORPUS = ASSETS / "corpus"  # public-domain English text, see its SOURCE.md
@@ -36,12 +37,6 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 EOS_NAMES = ("<|eos|>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 CACHE_VERSION = 1  # bump when the cached stream's meaning changes, so old caches are not reused
 PROGRESS_MIN_BYTES = 4 << 20  # below this tokenizing takes about a second: no progress bar
-
-
-def _seed(*parts: object) -> int:
-    """A 63-bit generator seed from any tuple: (seed, epoch) and (seed, index) never collide as seed + i would."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class Dataset:
@@ -61,7 +56,7 @@ class Dataset:
     def sequence(self, index: int) -> torch.Tensor:
         """Window `index` as int64 [L + 1]."""
         if self.tokens is None:
-            g = torch.Generator().manual_seed(_seed(self.seed, "synthetic", index))
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "synthetic", index))
             return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
         if not 0 <= index < self.num_sequences:
             raise IndexError(f"sequence {index} of {self.num_sequences}")
@@ -297,7 +292,7 @@ class DataLoader:
             return position
         epoch = position // n
         if epoch not in self._perms:
-            g = torch.Generator().manual_seed(_seed(getattr(self.dataset, "seed", 0), "epoch", epoch))
+            g = torch.Generator().manual_seed(derive_seed(getattr(self.dataset, "seed", 0), "epoch", epoch))
             self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}  # keep only the previous one
             self._perms[epoch] = torch.randperm(n, generator=g)
         return int(self._perms[epoch][position % n])

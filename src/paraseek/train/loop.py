@@ -15,7 +15,6 @@ import resource
 import statistics
 import sys
 import time
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -67,8 +66,6 @@ def model_state_bytes_per_rank(params: list[torch.nn.Parameter], optimizer: torc
 
 
 def train(cfg: TrainConfig) -> int:
-    # DTensor warns that its RNG tracker doesn't cover CPU meshes; we seed shards ourselves (see _train).
-    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     # With EP the grad norm spans two mesh dims; DTensor logs that it all-reduces them one after the other (correct,
     # a few scalars per step).
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
