@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import Transformer
@@ -110,6 +108,11 @@ class Pipeline:
 
     def __init__(self, stages: list[Transformer], stage_ids: list[int], n: int, schedule: str, n_microbatches: int,
                  loss_fn, device: torch.device, group: dist.ProcessGroup, seq_shards: int = 1):
+        # Imported here, as only pipelined runs need it: torch.distributed.pipelining imports torch._dynamo (~1 s
+        # of a process's start; FSDP2 imports it too, DDP and the parent never do).
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
         self.has_first, self.has_last = 0 in stage_ids, n - 1 in stage_ids
         for st in stages:
             if st.embed_tokens is None and seq_shards > 1:

@@ -1,6 +1,6 @@
 """`paraseek train`: validate in the parent, then re-launch through torch's own launcher (torch.distributed.run)
-with N processes per node; the workers read the resolved config from the environment, so every rank runs
-exactly the same configuration."""
+with N processes per node, each running train/worker.py, which reads the resolved config from the environment (so
+every rank runs exactly the same configuration, and no worker parses arguments again)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ import sys
 
 from paraseek.errors import UserError
 from paraseek.train.config import TrainConfig, from_namespace, resolve_defaults, validate
-
-_ENV = "PARASEEK_TRAIN_CONFIG"
+from paraseek.train.worker import CONFIG_ENV
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    if _ENV in os.environ:  # a worker started by the launcher below
-        cfg = TrainConfig(**json.loads(os.environ[_ENV]))
-        return _run_worker(cfg)
     import torch
 
     cfg = from_namespace(ns)
@@ -35,7 +31,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
             if os.environ.get("RANK", "0") == "0":
                 print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
             return 2
-        return _run_worker(cfg)
+        from paraseek.train.worker import run
+
+        run(cfg)  # does not return: the worker exits with the run's code
     cfg, _ = prepare(cfg)
     return launch(cfg)
 
@@ -145,8 +143,8 @@ def launch(cfg: TrainConfig) -> int:
     else:
         argv += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
-    argv += ["-m", "paraseek", "train"]
-    os.environ[_ENV] = json.dumps(dataclasses.asdict(cfg))
+    argv += ["-m", "paraseek.train.worker"]
+    os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     from paraseek.monitor.progress import flight_recorder_env
@@ -183,23 +181,6 @@ def launch(cfg: TrainConfig) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def _run_worker(cfg: TrainConfig) -> int:
-    from paraseek.train.loop import train
-
-    try:
-        rc = train(cfg)
-    except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
-        rc = 2
-    # Leave without the interpreter's teardown: on CPU, gloo's threads occasionally abort the process while
-    # static objects are destroyed ("terminate called without an active exception", exit -6) after all work and
-    # output is done. Everything we write is closed by now; flush what is buffered and exit with our code.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
