@@ -19,7 +19,7 @@ from dist_helpers import EXACT, assert_same_losses, run_train, seeded_model, ste
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import build_model
-from paraseek.parallel.pipeline import SCHEDULES, SINGLE_SCHEDULES
+from paraseek.planner.dims import SCHEDULES, SINGLE_SCHEDULES
 
 pytestmark = pytest.mark.dist
 

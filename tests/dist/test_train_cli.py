@@ -23,7 +23,8 @@ CASES = {
     "data path": (["--data", "no/such/corpus.txt"], "no such file or folder"),
     "compression on fsdp": (["--nproc", "2", "--grad-compression", "bf16"], "needs DDP"),
     # sequence parallelism shards the sequence: refused in the parent, before any worker starts
-    "sequence over tp": (["--nproc", "2", "--dp-shard", "1", "--tp", "2", "--seq-len", "31"], "not divisible by --tp 2"),
+    "sequence over tp": (["--nproc", "2", "--dp-shard", "1", "--tp", "2", "--seq-len", "31"],
+                         "not divisible by --tp 2"),
 }
 
 

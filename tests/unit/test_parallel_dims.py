@@ -96,7 +96,7 @@ def test_config_and_plan_translate_both_ways():
     assert plan.dims == cfg.dims and (plan.tp, plan.pp_schedule, plan.micro_batch_size) == (2, "none", 2)
     piped = plan.replace(pp=2, pp_schedule="Interleaved1F1B", pp_virtual_stages=2, tp=1, cpu_offload=True)
     back = cfg.with_plan(piped)
-    assert (back.pp, back.pp_schedule, back.pp_virtual_stages, back.tp, back.cpu_offload) == (2, "Interleaved1F1B", 2, 1,
-                                                                                               True)
+    got = (back.pp, back.pp_schedule, back.pp_virtual_stages, back.tp, back.cpu_offload)
+    assert got == (2, "Interleaved1F1B", 2, 1, True)
     assert back.to_plan() == piped
     assert cfg.with_plan(plan) == cfg  # pp = 1: the config's own schedule flag stays

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from paraseek.errors import UserError
 from paraseek.models import resolve_model
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.parallel.pipeline import build_stage, describe, rank_stages, stage_specs, whole_model_view

@@ -379,7 +379,8 @@ def _working_p2p(m: Machine, n: dict[str, Any]) -> bool:
     k = len(n["gpus"])
     measured = m.p2p(n) or {}
     ok = any(n["p2p"][i][j] == "OK" for i in range(k) for j in range(k) if i != j)
-    return ok and not measured.get("errors") and not any(v is False for row in measured.get("intact") or [] for v in row)
+    corrupted = any(v is False for row in measured.get("intact") or [] for v in row)
+    return ok and not measured.get("errors") and not corrupted
 
 
 def _active_rdma(n: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,8 +1,11 @@
 """The DeepSeek family as single-device math: Llama/Qwen2-style dense models (DeepSeek-LLM, R1-Distill) and
 DeepSeek-V2/V3 (MLA + DeepSeekMoE). Parallelism is applied from outside; nothing here knows the world size.
 
-Shape legend: B batch, T tokens, N = B*T flattened tokens, D model dim, H heads, K experts per token, E experts,
-F ffn width, V vocab, R rope dim.
+Shape letters, in variable names where tensors are reshaped (TorchTitan's suffixes) -- the one legend every paraseek
+file uses: B batch (sequences), T tokens per sequence, W = T + 1 tokens of a training window, N = B*T tokens, C the
+tokens of one chunk, D model dim, F ffn (expert) width, H heads, Q q/k head dim, U v head dim, R rope dim, V vocab,
+I/O a linear's in/out features, E experts, K experts per token, G expert groups, L local experts (E / ep), M
+token-expert slots (N*K, the rows of a grouped GEMM), P ranks of a process group, Y MoE layers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class RMSNorm(nn.Module):
 
 # ---- rotary position embedding ----------------------------------------------------------------------------------------
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context extended `scale` times: sqrt(1/t) = 0.1 ln(s) + 1 (Peng et al.
+    2023, sec. 3.4); DeepSeek's config multiplies the 0.1 by `mscale` (the hub's yarn_get_mscale)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -132,7 +137,9 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
-        # DeepSeek's softmax scale: 1/sqrt(qk_dim), times mscale(factor, mscale_all_dim)^2 under YaRN.
+        # DeepSeek's softmax scale: 1/sqrt(qk_dim), times mscale(factor, mscale_all_dim)^2 under YaRN -- the
+        # temperature of every q.k logit (the non-rotary dims' too), sqrt(1/t) on q and on k, hence squared; as
+        # DeepSeek-V3's inference/model.py (MLA) and the hub's modeling_deepseek.py compute it.
         self.softmax_scale = qk_dim**-0.5
         if args.rope_type == "yarn" and args.rope_mscale_all_dim:
             self.softmax_scale *= _yarn_mscale(args.rope_factor, args.rope_mscale_all_dim) ** 2
@@ -214,9 +221,11 @@ class Experts(nn.Module):
 class Gate(nn.Module):
     """The router: scores (softmax or sigmoid, in fp32), expert selection and combine weights.
 
-    greedy: top-k of the scores. group_limited_greedy (V2): keep the topk_group groups with the highest max score.
-    noaux_tc (V3): choose with scores + e_score_correction_bias (the auxiliary-loss-free balancing bias), groups
-    ranked by the sum of their top-2, but weight with the unbiased scores."""
+    greedy: top-k of the scores. group_limited_greedy (V2's device-limited routing, V2 paper sec. 2.2.2): keep the
+    topk_group groups with the highest max score. noaux_tc (V3's node-limited routing, V3 report sec. 2.1.2: groups
+    ranked by the sum of their experts' highest K / topk_group scores, 2 per group in V3's configs): choose with
+    scores + e_score_correction_bias (the auxiliary-loss-free balancing bias, sec. 2.1.2), but weight with the
+    unbiased scores. As DeepSeek-V3's inference/model.py Gate and the hub's modeling_deepseek.py do."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -59,14 +59,10 @@ def cheapest_fix(args: ModelArgs, cfg, gpu_name: str) -> str:
                         if not ev.reason and (best is None or ev.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
                             best = ev
     if best is not None:
-        b = best.plan
-        flags = [f for f, changed in (
-            (f"--activation-checkpointing {b.activation_checkpointing}", b.activation_checkpointing != plan.activation_checkpointing),
-            (f"--micro-batch-size {b.micro_batch_size}", b.micro_batch_size != plan.micro_batch_size),
-            ("--cpu-offload", b.cpu_offload and not plan.cpu_offload),
-            ("--reshard-after-forward true", b.reshard_after_forward and not plan.reshard_after_forward),
-            (f"--dp-replicate {b.dp_replicate} --dp-shard {b.dp_shard}", b.dp_shard != plan.dp_shard),
-        ) if changed]
+        now_flags, best_flags = plan.flags(), best.plan.flags()
+        flags = [f for f in best_flags if f not in now_flags]
+        if "--reshard-after-forward false" in now_flags and "--reshard-after-forward false" not in best_flags:
+            flags.append("--reshard-after-forward true")
         lines.append(f"cheapest fix: {' '.join(flags)} (predicted {best.memory.total / 2**30:.1f} GiB/GPU, "
                      f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU); `paraseek plan` lists every option")
     else:

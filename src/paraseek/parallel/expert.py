@@ -17,8 +17,7 @@ sign(mean load - load_i)), V3's complementary sequence-wise balance loss (eqs. 1
 balance loss (V2 paper sec. 2.2.3, eqs. 12-14; `seq_aux` as in the hub's modeling_deepseek.py), plus the per-step
 load telemetry (tokens per expert, max/mean).
 
-Shape legend: N tokens, M token-expert slots (N*K), D model dim, E experts, L local experts (E/ep), K experts per
-token, R ranks of the EP group, B sequences, T tokens per sequence, Y MoE layers.
+Shape letters: models/deepseek.py's legend (here P is the ranks of the EP group, L their local experts).
 """
 
 from __future__ import annotations
@@ -68,25 +67,25 @@ class ExpertParallelExperts(Experts):
             setattr(self, name, nn.Parameter(param, requires_grad=full.requires_grad))
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
-        R, L = self.ep_size, self.n_local
+        P, L = self.ep_size, self.n_local
         group = self.ep_mesh.get_group()
         # 1. Slot counts: rank s learns how many rows every rank sends to each of its L experts.
-        send_RL = counts_E.view(R, L)
-        recv_RL = torch.empty_like(send_RL)
-        dist.all_to_all_single(recv_RL, send_RL, group=group)
-        send_R, recv_R = send_RL.sum(1), recv_RL.sum(1)
-        splits = torch.cat([send_R, recv_R]).tolist()  # the one host sync: a2a splits are host ints
-        send_splits, recv_splits = splits[:R], splits[R:]
+        send_PL = counts_E.view(P, L)
+        recv_PL = torch.empty_like(send_PL)
+        dist.all_to_all_single(recv_PL, send_PL, group=group)
+        send_P, recv_P = send_PL.sum(1), recv_PL.sum(1)
+        splits = torch.cat([send_P, recv_P]).tolist()  # the one host sync: a2a splits are host ints
+        send_splits, recv_splits = splits[:P], splits[P:]
         # 2. Rows to their owners. x_MD is sorted by expert, so the rows for rank r are one contiguous run.
         x_recv = all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
         # 3. Received rows are (source rank, local expert)-major; reorder them expert-major (source order kept within
         # an expert: the rows of one expert are exactly the rows, in the order, that one device would see).
-        seg = torch.repeat_interleave(torch.arange(R * L, device=recv_RL.device), recv_RL.flatten(),
+        seg = torch.repeat_interleave(torch.arange(P * L, device=recv_PL.device), recv_PL.flatten(),
                                       output_size=sum(recv_splits))
-        order = torch.argsort((seg % L) * R + seg // L, stable=True)
+        order = torch.argsort((seg % L) * P + seg // L, stable=True)
         x_local = x_recv[order]
         # 4. The local experts, as `Experts.forward` computes them: one grouped GEMM per projection.
-        counts_L = recv_RL.sum(0)
+        counts_L = recv_PL.sum(0)
         h = F.silu(grouped_mm(x_local, _local(self.gate_proj), counts_L, use_grouped)) * grouped_mm(
             x_local, _local(self.up_proj), counts_L, use_grouped)
         y_local = grouped_mm(h, _local(self.down_proj), counts_L, use_grouped)

@@ -33,7 +33,8 @@ class ParallelMesh:
         self.ep = mesh["ep"] if dims.ep > 1 else None
         self.expert_dp = None
         if dims.ep > 1:
-            self.expert_dp = mesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1 else mesh["dp_shard_mod_ep"]
+            self.expert_dp = (mesh["dp_replicate", "dp_shard_mod_ep"] if dims.dp_replicate > 1
+                              else mesh["dp_shard_mod_ep"])
         self.pp = mesh["pp"] if dims.pp > 1 else None
         # Pipelined: the ranks of this pp coordinate (one stage's dp x tp ranks; the expert-load sums run over them)
         # and the first rank of every stage (an export gathers each stage onto it, then onto rank 0).

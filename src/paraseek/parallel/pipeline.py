@@ -25,7 +25,6 @@ from torch import nn
 
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import Transformer
-from paraseek.planner.dims import SCHEDULES, SINGLE_SCHEDULES  # the schedules and their rules: ParallelDims
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,10 @@ GROUPED_HALF_ROWS = 450  # rows per expert at which grouped GEMMs reach half the
 # reduce_tp_grads: torch.cat reads and writes the grads into one flat buffer, the copy back reads and writes them again
 TP_GRAD_COPY_TRAFFIC = 4.0
 PP_ACTION_OVERHEAD_S = 0.5e-3  # per forward or backward of a chunk: the schedule's p2p waits and Python dispatch
-ZB_BUBBLE_SHARE = 1 / 3  # zero-bubble V keeps a third of an interleaved(v=2) bubble (imperfect W filling)
+# ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", the V schedule of zero-bubble pipelining)
+# fills the bubble with the weight-gradient passes; a third of an interleaved (v=2) bubble left over is our estimate of
+# the imperfect filling, not a measurement yet (--plan auto does not pick ZBVZeroBubble).
+ZB_BUBBLE_SHARE = 1 / 3
 # Host (CPU) seconds per block per micro-batch, forward + backward, of eager PyTorch: Python, the dispatcher and
 # ~100-300 kernel launches per block. The GPU only runs ahead while the host launches faster than it computes; with
 # few tokens per micro-batch, MoE routing, DTensor's per-op dispatch under TP or selective checkpointing's Python
@@ -125,7 +128,8 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
             "tp_comm": len(s.layers) * (12 if full else 8) * tp_call + (4 * tp_call if s.last else 0.0),
             # dispatch + combine, forward and backward (+ forward again under full AC)
             "ep_all_to_all": s.n_moe * (6 if full else 4) * (
-                collective(c, tokens * s.dispatch_max * MOE_IMBALANCE, plan.stride("ep"), ep, "all_to_all") + EP_CALL_OVERHEAD_S)
+                collective(c, tokens * s.dispatch_max * MOE_IMBALANCE, plan.stride("ep"), ep, "all_to_all")
+                + EP_CALL_OVERHEAD_S)
             if ep > 1 else 0.0,
             "pp_p2p": 2 * plan.pp_virtual_stages * (p2p + PP_ACTION_OVERHEAD_S) if plan.pp > 1 else 0.0,
         }

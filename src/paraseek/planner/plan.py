@@ -53,8 +53,8 @@ class Plan(ParallelDims):
         out += [f"--activation-checkpointing {self.activation_checkpointing}"]
         out += ["--cpu-offload"] if self.cpu_offload else []
         # Pipelining keeps parameters gathered anyway, and DDP has nothing to reshard.
-        out += ["--reshard-after-forward false"] if self.pp == 1 and self.dp_shard > 1 and not self.reshard_after_forward \
-            else []
+        if self.pp == 1 and self.dp_shard > 1 and not self.reshard_after_forward:
+            out.append("--reshard-after-forward false")
         return out
 
 
@@ -132,7 +132,9 @@ class Cluster:
 
 
 def _intra_busbw(spec: GPUSpec, eff: Efficiency) -> float:
-    # Without NVLink, collectives go through PCIe (and often the host bridge): about half the link rate.
+    # Without NVLink, collectives go through PCIe and often the CPU's root complex (P2P through the host, or NCCL's
+    # shared-memory transport): half the link rate is an estimate, which a doctor profile's measured
+    # intra_node_busbw_gbps replaces.
     return spec.nvlink_gbps * eff.busbw if spec.nvlink_gbps else spec.pcie_gbps * 0.5
 
 
@@ -155,6 +157,8 @@ def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
     return Cluster(
         gpu=spec, n_gpus=n_gpus, gpus_per_node=min(gpn, n_gpus),
         matmul_tflops=(spec.bf16_tflops if spec.has_bf16 else spec.fp16_tflops) * eff.matmul,
+        # Across nodes NCCL's ring busbw is taken as 80% of the NIC line rate (protocol, PCIe and proxy overheads):
+        # an estimate, which a doctor profile's measured inter_node_busbw_gbps replaces.
         intra_busbw_gbps=_intra_busbw(spec, eff), inter_busbw_gbps=nic * 0.8, hbm_gbps=spec.hbm_gbps * eff.hbm,
         eff=eff,
         memory_gib=spec.memory_gib, host_memory_gib=spec.host_memory_gib,

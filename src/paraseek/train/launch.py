@@ -187,10 +187,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from paraseek.train.config import add_arguments
 
     p = subparsers.add_parser(
-        "train", help="train a model on torch.distributed (FSDP2 / HSDP / DDP), one node or many",
+        "train", help="train a model on torch.distributed (FSDP2 / HSDP / DDP, TP, PP, EP), one node or many",
         description="Train a preset or HF model with data parallelism (FSDP2 per block, HSDP, or DDP with gradient "
-        "compression), checkpoints (torch DCP, resumable under another layout), HF import/export and per-step "
-        "metrics. Re-launches itself through torch.distributed.run with --nproc processes.",
+        "compression), tensor + sequence parallelism (--tp), pipeline stages cut by cost (--pp, torch's schedules), "
+        "expert parallelism (--ep), or the planner's fastest plan (--plan auto); checkpoints (torch DCP, resumable "
+        "under another layout), HF import/export and per-step metrics. The plan is checked before anything starts, "
+        "then the command re-launches itself through torch.distributed.run with --nproc processes.",
     )
     add_arguments(p)
     p.set_defaults(func=cmd_train)

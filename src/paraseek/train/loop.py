@@ -1,4 +1,6 @@
-"""The training loop, run in every worker process (torch.distributed, launched by torch's launcher).
+"""The training loop, run in every worker process (train/worker.py, started by torch's launcher): the mesh
+(parallel/mesh.py), the model (train/build.py), the data and the optimizer (train/optim.py) set up once, then
+`Run.step` per optimizer step, with `make_forward_backward` running the micro-batches (pipelined or not).
 
 Loss normalization makes every data-parallel layout compute the same thing: rank r minimizes
 sum(token losses on r) / (tokens per rank per step); FSDP/DDP average gradients over the dp ranks, so the update
