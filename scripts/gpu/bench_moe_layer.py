@@ -75,7 +75,9 @@ def build_moe(args: ModelArgs, device: torch.device, dtype: torch.dtype, seed: i
     with torch.device(device):
         moe = MoE(args)
     moe.to(dtype)
-    moe.init_weights(0.02)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.02)
     return moe
 
 

@@ -26,25 +26,25 @@ python3 -c "import torch, pynvml; print('torch', torch.__version__, 'cuda', torc
 
 step "doctor, all measurements"
 t0=$(date +%s)
-timeout 150 python3 -m paraseek.hardware.doctor --json --save "$OUT/profile.json" > "$OUT/doctor.json"
+timeout 150 python3 -m paraseek doctor --json --save "$OUT/profile.json" > "$OUT/doctor.json"
 echo "rc=$? in $(( $(date +%s) - t0 )) s"
-COLUMNS=160 python3 -m paraseek.hardware.doctor --load "$OUT/doctor.json"  # the readable report
+COLUMNS=160 python3 -m paraseek doctor --load "$OUT/doctor.json"  # the readable report
 
 step "anchor nccl_busbw.py"
 timeout 80 torchrun --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" "$ANCHOR" > "$OUT/anchor.txt" 2>&1
 echo "rc=$?"; grep -E "busbw" "$OUT/anchor.txt"
 
 step "doctor, NCCL_P2P_DISABLE=1"
-NCCL_P2P_DISABLE=1 timeout 80 python3 -m paraseek.hardware.doctor --json --collectives all_reduce \
+NCCL_P2P_DISABLE=1 timeout 80 python3 -m paraseek doctor --json --collectives all_reduce \
   --sizes 16M,256M,1G,4G > "$OUT/doctor_p2p_disable.json"
 echo "rc=$?"
 
 step "doctor --quick, CUDA_LAUNCH_BLOCKING=1"
-CUDA_LAUNCH_BLOCKING=1 timeout 40 python3 -m paraseek.hardware.doctor --quick --json > "$OUT/doctor_launch_blocking.json"
+CUDA_LAUNCH_BLOCKING=1 timeout 40 python3 -m paraseek doctor --quick --json > "$OUT/doctor_launch_blocking.json"
 echo "rc=$?"
 
 step "doctor under torchrun, one node, one rank per GPU"
-timeout 80 torchrun --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" -m paraseek.hardware.doctor --json \
+timeout 80 torchrun --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" -m paraseek doctor --json \
   --collectives all_reduce --sizes 256M,1G > "$OUT/doctor_torchrun.json"
 echo "rc=$?"
 
@@ -53,7 +53,7 @@ port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); p
 for r in 0 1; do
   if [ $r = 0 ]; then dest="$OUT/doctor_2nodes.json"; else dest=/tmp/doctor_2nodes_rank1.out; fi
   CUDA_VISIBLE_DEVICES=$r timeout 80 torchrun --nnodes 2 --node-rank $r --nproc-per-node 1 --master-addr 127.0.0.1 \
-    --master-port "$port" -m paraseek.hardware.doctor --json --collectives all_reduce --sizes 256M,1G > "$dest" &
+    --master-port "$port" -m paraseek doctor --json --collectives all_reduce --sizes 256M,1G > "$dest" &
 done
 wait; echo "node 1 printed $(wc -c < /tmp/doctor_2nodes_rank1.out) bytes (expected 0)"
 

@@ -304,7 +304,7 @@ def group_attn(out: Path) -> list[dict]:
 
     from paraseek.models import build_model
     from paraseek.models.args import ModelArgs, preset_config
-    from paraseek.parallel.apply import apply_activation_checkpointing
+    from paraseek.parallel.parallelize import apply_activation_checkpointing
     from paraseek.parallel.expert import enable_balance_loss
 
     B, H, T, K, V = 2, 16, 4096, 192, 128

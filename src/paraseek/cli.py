@@ -102,8 +102,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="paraseek",
-        description="DeepSeek-family models on many GPUs: model summaries and exact counts (more subcommands land "
-        "as they work).",
+        description="DeepSeek-family models on many GPUs, PyTorch-native: plan a parallel layout, train it "
+        "(FSDP2/HSDP/DDP, TP, PP, EP), diagnose the machine and dead runs, benchmark, generate and serve.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -8,7 +8,6 @@ import torch
 from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, step_losses
 
 pytestmark = pytest.mark.dist
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +46,7 @@ def test_interrupted_save_keeps_the_last_good_checkpoint(uninterrupted, tmp_path
 
 
 def test_export_hf_loads_in_transformers_with_our_logits(uninterrupted, tmp_path):
+    transformers = pytest.importorskip("transformers")
     root, init, _ = uninterrupted
     run_train(*EXACT, "--steps", "3", "--init-from", str(init), "--nproc", "2", "--micro-batch-size", "2",
               "--export-hf", "out", cwd=tmp_path)

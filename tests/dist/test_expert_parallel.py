@@ -18,13 +18,12 @@ from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import Gate, MoE, Transformer
 from paraseek.models.hf import load_state_into
-from paraseek.parallel.apply import apply_activation_checkpointing
+from paraseek.parallel.parallelize import apply_activation_checkpointing
 from paraseek.parallel.expert import (
     ExpertLoad,
     apply_expert_parallel,
     balance_loss_value,
     enable_balance_loss,
-    ep_meshes,
     expert_balance_loss,
     load_stats,
     moe_layers,
@@ -32,6 +31,7 @@ from paraseek.parallel.expert import (
 )
 
 from dist_helpers import seeded_model, spawn  # noqa: E402
+from numerics import normal_init, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -68,10 +68,6 @@ def _reference(folder: Path) -> tuple[float, dict[str, torch.Tensor], dict[str, 
     loss.backward()
     return (loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()},
             {n: p.detach().clone() for n, p in model.named_parameters()})
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +131,7 @@ def ep_only(rank: int, world: int, root: Path, folder: str) -> dict:
             dist.all_reduce(g)
             got = g / world
             ref = ref_grads[name]
-        errors[name] = _rel(got, ref)
+        errors[name] = rel_error(got, ref)
     return {"loss": total.item() / world, "ref_loss": ref_loss, "errors": errors, "n_local": n_experts_local,
             "ac_equal": ac_equal, "tokens_per_expert": [m.tokens_per_expert.clone() for m in moe_layers(model)]}
 
@@ -160,24 +156,23 @@ FSDP_LAYOUTS = [(1, 4, 2), (1, 4, 4), (2, 2, 2)]  # (dp_replicate, dp_shard, ep)
 
 
 def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
-    """The engine's mesh and FSDP2 (apply.build_mesh, apply.apply_fsdp) with the experts EP-sharded first and
-    FSDP-sharded over the dp ranks outside the EP group; the HF loader; the global gradient norm; an AdamW step (as
-    the engine builds it); a DCP checkpoint written by each layout and read back by the next one."""
-    from paraseek.parallel.apply import apply_fsdp, build_mesh
-    from paraseek.parallel.expert import apply_expert_fsdp, clip_grad_norm
+    """The engine's mesh and order (mesh.ParallelMesh, parallelize.parallelize: the experts EP-sharded first, then
+    FSDP-sharded over the dp ranks outside the EP group, FSDP2 for the rest); the HF loader; the global gradient
+    norm; an AdamW step (as the engine builds it); a DCP checkpoint written by each layout and read back by the next."""
+    from paraseek.parallel.mesh import ParallelMesh
+    from paraseek.parallel.parallelize import parallelize
+    from paraseek.planner.dims import ParallelDims
     from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from paraseek.train.optim import clip_grad_norm
 
     ref_loss, ref_grads, _ = torch.load(Path(folder) / "reference.pt")
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref_grads.values()])).item()
     results = {}
     saved: dict[str, torch.Tensor] | None = None
     for i, (dp_replicate, dp_shard, ep) in enumerate(FSDP_LAYOUTS):
-        mesh = build_mesh("cpu", dp_replicate, dp_shard, ep)
-        meshes = ep_meshes(mesh, ep)
+        mesh = ParallelMesh(ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep), "cpu")
         model = _meta_model()
-        apply_expert_parallel(model, meshes["ep"])
-        apply_expert_fsdp(model, meshes["expert_dp"], dp_size=world)
-        apply_fsdp(model, mesh, "fp32", reshard_after_forward=True, cpu_offload=False)
+        parallelize(model, mesh, precision="fp32")
         model.to_empty(device="cpu")
         model.init_weights(device=torch.device("cpu"))  # works on the sharded experts (then overwritten)
         load_state_into(model, folder)
@@ -186,7 +181,7 @@ def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
         loss.backward()
         total = torch.tensor([loss.item()])
         dist.all_reduce(total)
-        errors = {name: _rel(p.grad.full_tensor(), ref_grads[name]) for name, p in model.named_parameters()}
+        errors = {name: rel_error(p.grad.full_tensor(), ref_grads[name]) for name, p in model.named_parameters()}
         params = list(model.parameters())
         norm = clip_grad_norm(params, 0.0).item()
         clipped = clip_grad_norm(params, 0.5 * norm).item()  # clips to half: the norm afterwards is half
@@ -197,7 +192,7 @@ def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
         restored = None
         if saved is not None:
             load_checkpoint(latest_checkpoint(root / "ckpt"), model, optimizer)
-            restored = max(_rel(p.full_tensor(), saved[n]) for n, p in model.named_parameters())
+            restored = max(rel_error(p.full_tensor(), saved[n]) for n, p in model.named_parameters())
         optimizer.step()
         saved = {n: p.full_tensor() for n, p in model.named_parameters()}
         save_checkpoint(root / "ckpt", i + 1, model, optimizer, {})
@@ -335,8 +330,7 @@ def test_balance_loss_hook_adds_its_gradient(model):
                    aux_loss_alpha=0.01, seq_aux=False, norm_topk_prob=False, routed_scaling_factor=1.0)
     args = ModelArgs.from_hf_config(cfg)
     torch.manual_seed(0)
-    moe = MoE(args)
-    moe.init_weights(0.5)
+    moe = normal_init(MoE(args), 0.5)
     x = torch.randn(2, 6, args.dim)
     out_plain = moe(x)
     alpha = enable_balance_loss(moe, 0.1 if model == "tiny-moe" else None, scale=0.5)

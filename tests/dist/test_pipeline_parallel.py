@@ -19,7 +19,7 @@ from dist_helpers import EXACT, assert_same_losses, run_train, seeded_model, ste
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import build_model
-from paraseek.parallel.pipeline import SCHEDULES, SINGLE_SCHEDULES
+from paraseek.planner.dims import SCHEDULES, SINGLE_SCHEDULES
 
 pytestmark = pytest.mark.dist
 
@@ -131,11 +131,12 @@ def test_export_under_pp_has_every_stage(reference, tmp_path):
     ref = load_pretrained(trained_on_one / "out", dtype=torch.float32)
     got_sd, ref_sd = exported.state_dict(), ref.state_dict()
     assert sorted(got_sd) == sorted(ref_sd)
-    # Per tensor, max |diff| / max |ref|: AdamW turns a gradient element of ~1e-9 whose reduction order differs
-    # into a different update of up to lr, so single elements move by ~1e-5 after 2 steps (1e-4 relative); a
-    # tensor from the wrong stage or an untrained one would be off by O(1).
+    # Per tensor, |diff| / |ref| in the Frobenius norm: a tensor from the wrong stage or an untrained one would be
+    # off by O(1), the same training by ~1e-5. Not elementwise: AdamW's update is g / (|g| + 1e-8), so an element
+    # whose gradient is ~1e-8 (an expert with few tokens) moves by a fraction of lr that the gradients' reduction
+    # order decides -- 1.7e-3 of the largest weight for one expert tensor here under torch 2.13.
     for name, t in ref_sd.items():
-        rel = ((got_sd[name] - t).abs().max() / t.abs().max().clamp_min(1e-12)).item()  # (a zero routing bias)
+        rel = ((got_sd[name] - t).norm() / t.norm().clamp_min(1e-12)).item()  # (a zero routing bias)
         assert rel < 1e-3, (name, rel)
 
 

@@ -8,7 +8,8 @@ same HF folder into its shards (models/hf.py) and runs forward + vocab-parallel 
 a plain model in the same process. Loss and every parameter's full gradient must equal the reference within 1e-4
 relative (max |diff| / max |ref| per tensor), and so must the losses of 3 AdamW steps with gradient clipping: the
 same math, only the matmul shapes and the reduction order differ. The router weights get std 1 so that no top-k
-choice sits on a near-tie (see dist_helpers.seed_checkpoint).
+choice sits on a near-tie (see dist_helpers.seed_checkpoint). And a fresh init_weights of the sharded model is, tensor
+by tensor, what one process draws with the same seed.
 """
 
 import traceback
@@ -20,24 +21,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from paraseek.errors import UserError
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config, read_hf_config
 from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
-from paraseek.parallel.apply import apply_activation_checkpointing, apply_compile
-from paraseek.parallel.tensor import (
-    apply_tensor_parallel,
-    check_tensor_parallel,
-    clip_grad_norm_,
-    init_weights_tp,
-    local_value,
-    loss_context,
-    reduce_tp_grads,
-    tp_loss,
-)
+from paraseek.parallel.parallelize import apply_activation_checkpointing, apply_compile
+from paraseek.parallel.tensor import apply_tensor_parallel, full_value, loss_context, reduce_tp_grads
+from paraseek.train.optim import clip_grad_norm, token_loss
 
 from dist_helpers import seeded_model, spawn  # noqa: E402
+from numerics import full, rel_error  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -63,14 +56,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 def _batch(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 # ---- the worker: reference and TP model side by side ------------------------------------------------------------------
@@ -101,19 +86,23 @@ def tp_vs_reference(rank: int, world: int, folders: dict[str, str], sequence_par
 
 
 def _init_from_scratch(folder: str, mesh, dp: int, device: torch.device) -> dict:
-    """init_weights_tp: every tp shard drawn anew (no two tp ranks hold the same shard: heads are not duplicated),
-    every tp-replicated parameter and buffer equal on all tp ranks (under FSDP2 too)."""
+    """init_weights on the tp (x FSDP2) model gives each rank its part of what one process draws with the same seed
+    (models/init.py): no two tp ranks hold the same shard (heads are not duplicated), every tp-replicated parameter
+    and buffer is equal on all tp ranks, and every tensor, gathered, is the single process's."""
     tp_mesh = mesh["tp"]
+    args = ModelArgs.from_hf_config(read_hf_config(folder))
     with torch.device("meta"):
-        model = Transformer(ModelArgs.from_hf_config(read_hf_config(folder)))
+        model, one = Transformer(args), Transformer(args)
     apply_tensor_parallel(model, tp_mesh)
     if dp > 1:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=mesh["dp_shard"])
     model.to_empty(device=device)
-    dp_rank = mesh["dp_shard"].get_local_rank() if dp > 1 else 0
-    init_weights_tp(model, tp_mesh, seed=11 + dp_rank, device=device)
+    model.init_weights(device=device, seed=11)
+    one.to_empty(device=device)
+    one.init_weights(device=device, seed=11)
+    one_sd = one.state_dict()
     sharded_equal, replicated_differ = [], []
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         local = (t.to_local() if isinstance(t, DTensor) else t).detach().contiguous()
@@ -126,7 +115,8 @@ def _init_from_scratch(folder: str, mesh, dp: int, device: torch.device) -> dict
             sharded_equal.append(name)
         if not sharded and not same:
             replicated_differ.append(name)
-    return {"sharded_equal": sharded_equal, "replicated_differ": replicated_differ,
+    differ = [name for name, t in model.state_dict().items() if not torch.equal(full(t.detach()), one_sd[name])]
+    return {"sharded_equal": sharded_equal, "replicated_differ": replicated_differ, "differs_from_one_process": differ,
             "n_sharded": sum(isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names for p in model.parameters())}
 
 
@@ -139,7 +129,7 @@ def _compare(folder: str, mesh, sequence_parallel: bool, dp: int, ac: str, devic
     tp_mesh = mesh["tp"]
     with torch.device("meta"):
         model = Transformer(ref.args)
-    apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
+    partial = apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
     if ac != "none":
         apply_activation_checkpointing(model, ac)
     if compile:
@@ -157,7 +147,7 @@ def _compare(folder: str, mesh, sequence_parallel: bool, dp: int, ac: str, devic
     params = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
     assert sorted(params) == sorted(ref_params)
     # The loader put each rank's shard of the full tensors in place.
-    load_errors = {n: _rel(_full(p.detach()), ref_params[n].detach()) for n, p in params.items()}
+    load_errors = {n: rel_error(full(p.detach()), ref_params[n].detach()) for n, p in params.items()}
     n_dtensor = sum(isinstance(p, DTensor) for p in params.values())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=dp > 1)
 
@@ -177,19 +167,19 @@ def _compare(folder: str, mesh, sequence_parallel: bool, dp: int, ac: str, devic
             logits = model(mine[:, :-1])
             assert isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
             assert logits.to_local().shape[-1] == 2048 // tp_mesh.size()  # vocab-sharded, never gathered
-            loss = tp_loss(logits, mine[:, 1:]) / mine[:, 1:].numel()
+            loss = token_loss(logits, mine[:, 1:]) / mine[:, 1:].numel()
             loss.backward()
-        reduce_tp_grads(model)
-        loss_value = local_value(loss).detach().clone()
+        reduce_tp_grads(model, partial, tp_mesh)
+        loss_value = full_value(loss).detach().clone()
         if dp > 1:
             dist.all_reduce(loss_value, group=mesh["dp_shard"].get_group())
             loss_value /= dp
         if step == 0:
-            out["grad_errors"] = {n: _rel(_full(p.grad), ref_grads[n]) for n, p in params.items()}
-        norm = clip_grad_norm_(list(params.values()), MAX_NORM)
+            out["grad_errors"] = {n: rel_error(full(p.grad), ref_grads[n]) for n, p in params.items()}
+        norm = clip_grad_norm(list(params.values()), MAX_NORM)
         if step == 0:
             out["norm"], out["ref_norm"] = norm.item(), ref_norm.item()
-            out["clipped_grad_errors"] = {n: _rel(_full(p.grad), ref_params[n].grad) for n, p in params.items()}
+            out["clipped_grad_errors"] = {n: rel_error(full(p.grad), ref_params[n].grad) for n, p in params.items()}
         out["loss"].append(loss_value.item())
         out["ref_loss"].append(ref_loss.item())
         opt.step()
@@ -202,8 +192,9 @@ def _compare(folder: str, mesh, sequence_parallel: bool, dp: int, ac: str, devic
 def _check(outs: list[dict], name: str, rtol: float = RTOL) -> None:
     for rank, by_model in enumerate(outs):
         init = by_model[name].pop("init")
-        assert not isinstance(init, str), f"{name}, rank {rank}, init_weights_tp:\n{init}"
+        assert not isinstance(init, str), f"{name}, rank {rank}, init_weights:\n{init}"
         assert init["n_sharded"] > 0 and not init["sharded_equal"] and not init["replicated_differ"], (name, rank, init)
+        assert not init["differs_from_one_process"], (name, rank, init)
         for sp, out in by_model[name].items():
             where = (name, f"rank {rank}", "sp" if sp else "no sp")
             assert not isinstance(out, str), f"{where}:\n{out}"
@@ -258,17 +249,3 @@ def test_tp2_compiled_nccl_matches_single_gpu(folders, tmp_path):
     outs = spawn(tp_vs_reference, 2, tmp_path, folders={"tiny-moe": str(folders["tiny-moe"])},
                   sequence_parallel=[True], ac="selective", device="cuda", compile=True)
     _check(outs, "tiny-moe", rtol=1e-3)
-
-
-# ---- errors, in-process ---------------------------------------------------------------------------------------------------
-def test_tp_must_divide_the_heads():
-    dense = ModelArgs.from_hf_config(preset_config("tiny-dense"))  # 4 heads, 2 kv heads
-    check_tensor_parallel(dense, 2)
-    with pytest.raises(UserError, match=r"--tp 4 does not divide .*key/value heads.* = 2; --tp 2 would"):
-        check_tensor_parallel(dense, 4)
-    with pytest.raises(UserError, match=r"--tp 3 does not divide .*attention heads"):
-        check_tensor_parallel(dense, 3)
-    moe = ModelArgs.from_hf_config(preset_config("tiny-moe"))  # MLA: 4 heads, no kv-head constraint
-    check_tensor_parallel(moe, 4)
-    with pytest.raises(UserError, match="attention heads"):
-        check_tensor_parallel(moe, 8)

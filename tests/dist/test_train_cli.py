@@ -22,6 +22,9 @@ CASES = {
     "batch": (["--nproc", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], "not divisible"),
     "data path": (["--data", "no/such/corpus.txt"], "no such file or folder"),
     "compression on fsdp": (["--nproc", "2", "--grad-compression", "bf16"], "needs DDP"),
+    # sequence parallelism shards the sequence: refused in the parent, before any worker starts
+    "sequence over tp": (["--nproc", "2", "--dp-shard", "1", "--tp", "2", "--seq-len", "31"],
+                         "not divisible by --tp 2"),
 }
 
 

@@ -16,7 +16,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 def doctor(*argv, **env):
     e = dict(os.environ, PYTHONPATH=SRC, NCCL_NVLS_ENABLE="0", **env)
-    r = subprocess.run([sys.executable, "-m", "paraseek.hardware.doctor", "--json", *argv], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "paraseek", "doctor", "--json", *argv], capture_output=True,
                        text=True, env=e, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)

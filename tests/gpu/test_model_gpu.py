@@ -12,7 +12,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import MoE, build_model
-from paraseek.parallel.apply import _selective_policy
+from paraseek.parallel.parallelize import _selective_policy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -9,6 +9,8 @@ import torch
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import MoE, _use_grouped_mm, grouped_mm
 
+from numerics import normal_init, rel_error
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -17,11 +19,6 @@ pytestmark = [
 
 DEVICE = "cuda"
 TOL = 2e-2  # max|grouped - fallback| / max|fallback|, bf16
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _fwd_bwd(moe: MoE, x: torch.Tensor, dy: torch.Tensor, grouped: bool) -> dict[str, torch.Tensor]:
@@ -43,7 +40,7 @@ def v2_lite_moe() -> MoE:
     with torch.device(DEVICE):
         moe = MoE(args)
     moe.to(torch.bfloat16)
-    moe.init_weights(0.02)
+    normal_init(moe, 0.02)
     return moe
 
 
@@ -58,7 +55,7 @@ def test_grouped_matches_fallback_bf16(v2_lite_moe, n_tokens):
     moe.use_grouped_mm = None
     for key in ("out", "d_input", "d_gate_proj", "d_up_proj", "d_down_proj"):
         assert torch.isfinite(g[key].float()).all(), key
-        assert _rel(g[key], f[key]) < TOL, (key, _rel(g[key], f[key]))
+        assert rel_error(g[key], f[key]) < TOL, (key, rel_error(g[key], f[key]))
     # Experts that got no token: their weight grads are exactly zero on both paths (nothing left unwritten).
     with torch.no_grad():
         idx = moe.gate(x.view(-1, x.shape[-1]))[1]
@@ -87,7 +84,7 @@ def test_grouped_mm_empty_groups_bf16():
         res[grouped] = (y.detach(), xx.grad, ww.grad)
     for a, b in zip(res[True], res[False]):
         assert torch.isfinite(a.float()).all()
-        assert _rel(a, b) < TOL
+        assert rel_error(a, b) < TOL
     assert (res[True][2][counts == 0] == 0).all()
 
 

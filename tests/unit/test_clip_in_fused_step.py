@@ -4,7 +4,7 @@ clipping the gradients first and stepping does: with the clip active and inactiv
 import pytest
 import torch
 
-from paraseek.parallel.expert import clip_grad_norm
+from paraseek.train.optim import clip_grad_norm
 
 
 def stepped(fused: bool, grad_size: float, device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -11,7 +11,7 @@ import torch
 from paraseek.models import build_model
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import MoE
-from paraseek.parallel.apply import apply_activation_checkpointing
+from paraseek.parallel.parallelize import apply_activation_checkpointing
 from paraseek.parallel.expert import enable_balance_loss
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")

@@ -1,4 +1,4 @@
-"""`paraseek doctor` as a user runs it (through `python -m paraseek.hardware.doctor`, the same subcommand the CLI
+"""`paraseek doctor` as a user runs it (through `python -m paraseek doctor`, the subcommand the CLI
 registers): exit codes, the JSON document, the profile, one-line errors; and under torchrun as two nodes."""
 
 import argparse
@@ -21,7 +21,7 @@ NO_CUDA = not __import__("torch").cuda.is_available()
 
 def doctor(*argv, env=None):
     e = dict(os.environ, PYTHONPATH=SRC, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "paraseek.hardware.doctor", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "paraseek", "doctor", *argv], capture_output=True,
                           text=True, env=e, timeout=300)
 
 
@@ -95,7 +95,7 @@ def test_two_nodes_under_torchrun_report_on_rank_0():
     e = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "-m", "paraseek.hardware.doctor", "--json", "--sizes", "64K,1M", "--iters", "3",
+                               "-m", "paraseek", "doctor", "--json", "--sizes", "64K,1M", "--iters", "3",
                                "--warmup", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
              for r in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]

@@ -10,7 +10,8 @@ import pytest
 
 from paraseek.errors import UserError
 from paraseek.hardware import topology as topo
-from paraseek.hardware.doctor import build_document, diagnose, nodes_from_document
+from paraseek.hardware.document import build_document, nodes_from_document
+from paraseek.hardware.rules import diagnose
 from paraseek.hardware.profile import build_profile, load_profile
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"

@@ -6,9 +6,8 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
-from paraseek.models import ModelArgs, build_model, load_pretrained, preset_config, save_pretrained  # noqa: E402
+from numerics import rel_error
+from paraseek.models import ModelArgs, build_model, load_pretrained, preset_config, save_pretrained
 
 _BASE_DENSE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -40,6 +39,7 @@ VARIANTS = {
 
 
 def _hf_model(cfg: dict):
+    transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(**cfg)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -53,10 +53,6 @@ def _hf_model(cfg: dict):
     return model
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_hf_to_paraseek(variant, tmp_path):
     hf = _hf_model(VARIANTS[variant])
@@ -67,7 +63,7 @@ def test_hf_to_paraseek(variant, tmp_path):
         ref = hf(input_ids=ids).logits
         got = ours(ids)
     assert got.shape == ref.shape
-    assert _rel_err(got, ref) < 1e-4
+    assert rel_error(got, ref) < 1e-4
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -82,15 +78,17 @@ def test_paraseek_to_hf(variant, tmp_path):
             if getattr(m, "e_score_correction_bias", None) is not None:
                 m.e_score_correction_bias.copy_(torch.randn_like(m.e_score_correction_bias) * 0.1)
     save_pretrained(ours, tmp_path)
+    transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
         got = ours(ids)
-    assert _rel_err(got, ref) < 1e-4
+    assert rel_error(got, ref) < 1e-4
 
 
 def test_transformers5_rope_parameters_config_reads_the_same():
+    transformers = pytest.importorskip("transformers")
     hub = VARIANTS["v3-noaux-yarn"]
     written_by_transformers = transformers.AutoConfig.for_model(**hub).to_dict()
     assert "rope_parameters" in written_by_transformers

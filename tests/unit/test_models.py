@@ -13,7 +13,7 @@ from paraseek.models import (
 from paraseek.models.deepseek import MoE, grouped_mm
 from paraseek.models.hf import dequantize_fp8
 
-transformers = pytest.importorskip("transformers")
+from numerics import normal_init
 
 PUBLISHED = ["deepseek-llm-7b", "deepseek-llm-67b", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3",
              "deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b", "deepseek-r1-distill-qwen-14b",
@@ -26,6 +26,7 @@ def test_all_presets_exist():
 
 @pytest.mark.parametrize("name", PUBLISHED + ["tiny-dense", "tiny-moe"])
 def test_total_params_equal_transformers_meta_model(name):
+    transformers = pytest.importorskip("transformers")
     cfg = preset_config(name)
     hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "auto_map"})
     with torch.device("meta"):
@@ -154,8 +155,7 @@ def test_moe_equals_a_per_token_reference():
     """The sorted grouped computation against the definition: y_t = sum_k w_tk * expert_k(x_t) + shared(x_t)."""
     args = ModelArgs.from_hf_config(preset_config("tiny-moe"))
     torch.manual_seed(0)
-    moe = MoE(args)
-    moe.init_weights(0.2)
+    moe = normal_init(MoE(args), 0.2)
     x = torch.randn(2, 5, args.dim)
     weights, idx, _ = moe.gate(x.view(-1, args.dim))
     e = moe.experts
@@ -174,7 +174,33 @@ def test_meta_build_allocates_nothing_and_init_fills_everything():
     args = ModelArgs.from_hf_config(preset_config("deepseek-v3"))
     model = build_model(args)  # 671B parameters: only possible because nothing is allocated
     assert all(p.is_meta for p in model.parameters())
-    tiny = _tiny()
-    for name, p in tiny.named_parameters():
-        assert torch.isfinite(p).all(), name
-    assert torch.isfinite(tiny.rope_inv_freq).all()
+    # NaN everywhere first, so that a tensor init_weights misses stays NaN (to_empty memory may happen to be zeros)
+    tiny = build_model(ModelArgs.from_hf_config({**preset_config("tiny-moe"), "num_nextn_predict_layers": 1}))
+    tiny.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*tiny.parameters(), *tiny.buffers()]:
+            t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+    tiny.init_weights(device=torch.device("cpu"), seed=0)
+    for name, t in [*tiny.named_parameters(), *tiny.named_buffers()]:
+        assert torch.isfinite(t).all() and (t.is_floating_point() or (t >= 0).all()), name
+    assert any(n.startswith("mtp.") for n, _ in tiny.named_parameters())
+
+
+def test_init_is_per_tensor_and_reproducible():
+    """Each tensor from its own (seed, name) generator: the same seed gives the same model, another seed another
+    one, and a tensor's values do not depend on which other tensors exist (a pipeline stage draws what one process
+    draws for its layers)."""
+    args = ModelArgs.from_hf_config(preset_config("tiny-moe"))
+    a, b, c = (build_model(args) for _ in range(3))
+    for model, seed in ((a, 5), (b, 5), (c, 6)):
+        model.to_empty(device="cpu")
+        model.init_weights(device=torch.device("cpu"), seed=seed)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.layers["0"].self_attn.kv_b_proj.weight, c.layers["0"].self_attn.kv_b_proj.weight)
+    stage = build_model(args)
+    del stage.layers["0"]
+    stage.to_empty(device="cpu")
+    stage.init_weights(device=torch.device("cpu"), seed=5)
+    assert torch.equal(stage.layers["2"].mlp.experts.up_proj, a.layers["2"].mlp.experts.up_proj)
+    # the residual scaling: output projections start smaller than the others
+    assert a.layers["1"].mlp.experts.down_proj.std() < 0.5 * a.layers["1"].mlp.experts.up_proj.std()

@@ -6,7 +6,7 @@ import pytest
 
 from paraseek.errors import UserError
 from paraseek.train.config import TrainConfig, add_arguments, from_namespace, resolve_defaults, validate
-from paraseek.train.loop import lr_at
+from paraseek.train.optim import lr_at
 
 
 def parse(*argv):

@@ -19,8 +19,7 @@ Collective bus bandwidths are the doctor's (hardware/probe.py); run.py takes the
 
 The functions take a device and `Shapes` so that the unit tests run them on the CPU with tiny sizes (fp32 there).
 
-Shape suffixes: M rows (tokens), I/O a linear's in/out features, B batch, H heads, T sequence, K q/k head dim,
-V v head dim, E experts, D model dim, F expert width.
+Shape suffixes: models/deepseek.py's legend (M the rows of a GEMM, Q/U the q/k and v head dims).
 """
 
 from __future__ import annotations
@@ -142,14 +141,14 @@ def attention_tflops(device: torch.device, batch: int, heads: int, seq: int, qk_
     3 (fwd + 2x bwd) x 2 x B x H x T^2 x (d_qk + d_v) / 2, the planner's count (planner/memory.py attn_flops)."""
     dtype = _dtype(device)
     B, H, T = batch, heads, seq
-    q_BHTK = torch.randn(B, H, T, qk_dim, device=device, dtype=dtype, requires_grad=True)
-    k_BHTK = torch.randn(B, H, T, qk_dim, device=device, dtype=dtype, requires_grad=True)
-    v_BHTV = torch.randn(B, H, T, v_dim, device=device, dtype=dtype, requires_grad=True)
-    do_BHTV = torch.randn(B, H, T, v_dim, device=device, dtype=dtype)
+    q_BHTQ = torch.randn(B, H, T, qk_dim, device=device, dtype=dtype, requires_grad=True)
+    k_BHTQ = torch.randn(B, H, T, qk_dim, device=device, dtype=dtype, requires_grad=True)
+    v_BHTU = torch.randn(B, H, T, v_dim, device=device, dtype=dtype, requires_grad=True)
+    do_BHTU = torch.randn(B, H, T, v_dim, device=device, dtype=dtype)
 
     def step() -> None:
-        o_BHTV = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTV, is_causal=True)
-        torch.autograd.grad(o_BHTV, (q_BHTK, k_BHTK, v_BHTV), do_BHTV)  # grads returned, not accumulated
+        o_BHTU = F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTU, is_causal=True)
+        torch.autograd.grad(o_BHTU, (q_BHTQ, k_BHTQ, v_BHTU), do_BHTU)  # grads returned, not accumulated
 
     sec = median_seconds(step, device, warmup, reps)
     return 3 * 2 * B * H * T * T * (qk_dim + v_dim) / 2 / sec / 1e12

@@ -228,7 +228,8 @@ def run_calibrate(ns: argparse.Namespace) -> int:
 
     from paraseek.bench.calibrate import calibrate
     from paraseek.hardware import probe
-    from paraseek.hardware.profile import add_calibration, load_profile, measure_profile, save_profile
+    from paraseek.hardware.doctor import measure_profile
+    from paraseek.hardware.profile import add_calibration, load_profile, save_profile
     from paraseek.hardware.specs import spec_for_device_name
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

@@ -123,16 +123,3 @@ def add_calibration(profile: dict[str, Any], calibration: dict[str, Any]) -> dic
 
 def save_profile(path: str | Path, profile: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(profile, indent=2) + "\n")
-
-
-def measure_profile(collectives: tuple[str, ...] = ("all_reduce",)) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """This machine's profile as `paraseek doctor --save` makes it (inventory, per-GPU matmul and copy, P2P, and
-    with more than one GPU the NCCL `collectives` in watched processes), and the measurement errors. Only
-    all_reduce by default: it is the one the planner reads."""
-    from paraseek.hardware import probe
-    from paraseek.hardware.doctor import build_document
-    from paraseek.hardware.inventory import collect_node
-
-    nodes = [collect_node(0)]
-    measurements = probe.measure_local(nodes[0], probe.ProbeConfig(collectives=collectives))
-    return build_profile(build_document(nodes, measurements, [])), measurements.get("errors", [])

@@ -1,4 +1,4 @@
-"""The doctor's readable report: rich tables over the JSON document (doctor.build_document)."""
+"""The doctor's readable report: rich tables over the JSON document (document.build_document)."""
 
 from __future__ import annotations
 

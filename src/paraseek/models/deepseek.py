@@ -1,8 +1,11 @@
 """The DeepSeek family as single-device math: Llama/Qwen2-style dense models (DeepSeek-LLM, R1-Distill) and
 DeepSeek-V2/V3 (MLA + DeepSeekMoE). Parallelism is applied from outside; nothing here knows the world size.
 
-Shape legend: B batch, T tokens, N = B*T flattened tokens, D model dim, H heads, K experts per token, E experts,
-F ffn width, V vocab, R rope dim.
+Shape letters, in variable names where tensors are reshaped (TorchTitan's suffixes) -- the one legend every paraseek
+file uses: B batch (sequences), T tokens per sequence, W = T + 1 tokens of a training window, N = B*T tokens, C the
+tokens of one chunk, D model dim, F ffn (expert) width, H heads, Q q/k head dim, U v head dim, R rope dim, V vocab,
+I/O a linear's in/out features, E experts, K experts per token, G expert groups, L local experts (E / ep), M
+token-expert slots (N*K, the rows of a grouped GEMM), P ranks of a process group, Y MoE layers.
 """
 
 from __future__ import annotations
@@ -28,12 +31,11 @@ class RMSNorm(nn.Module):
         x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x_fp32.to(x.dtype)
 
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 # ---- rotary position embedding ----------------------------------------------------------------------------------------
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context extended `scale` times: sqrt(1/t) = 0.1 ln(s) + 1 (Peng et al.
+    2023, sec. 3.4); DeepSeek's config multiplies the 0.1 by `mscale` (the hub's yarn_get_mscale)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -114,10 +116,6 @@ class Attention(nn.Module):
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
-    def init_weights(self, std: float) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            _init_linear(lin, std)
-
 
 class MLA(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 paper, sec. 2.1): queries optionally through a low-rank q_lora,
@@ -139,7 +137,9 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
-        # DeepSeek's softmax scale: 1/sqrt(qk_dim), times mscale(factor, mscale_all_dim)^2 under YaRN.
+        # DeepSeek's softmax scale: 1/sqrt(qk_dim), times mscale(factor, mscale_all_dim)^2 under YaRN -- the
+        # temperature of every q.k logit (the non-rotary dims' too), sqrt(1/t) on q and on k, hence squared; as
+        # DeepSeek-V3's inference/model.py (MLA) and the hub's modeling_deepseek.py compute it.
         self.softmax_scale = qk_dim**-0.5
         if args.rope_type == "yarn" and args.rope_mscale_all_dim:
             self.softmax_scale *= _yarn_mscale(args.rope_factor, args.rope_mscale_all_dim) ** 2
@@ -164,14 +164,6 @@ class MLA(nn.Module):
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
-    def init_weights(self, std: float) -> None:
-        for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-            if hasattr(self, name):
-                _init_linear(getattr(self, name), std)
-        for norm in (getattr(self, "q_a_layernorm", None), self.kv_a_layernorm):
-            if norm is not None:
-                norm.init_weights()
-
 
 # ---- feed-forward -----------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
@@ -185,10 +177,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def init_weights(self, std: float) -> None:
-        for lin in (self.gate_proj, self.up_proj, self.down_proj):
-            _init_linear(lin, std)
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -229,17 +217,15 @@ class Experts(nn.Module):
         )
         return grouped_mm(h_MF, self.down_proj, counts_E, use_grouped)
 
-    def init_weights(self, std: float) -> None:
-        for w in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(w, std=std)
-
 
 class Gate(nn.Module):
     """The router: scores (softmax or sigmoid, in fp32), expert selection and combine weights.
 
-    greedy: top-k of the scores. group_limited_greedy (V2): keep the topk_group groups with the highest max score.
-    noaux_tc (V3): choose with scores + e_score_correction_bias (the auxiliary-loss-free balancing bias), groups
-    ranked by the sum of their top-2, but weight with the unbiased scores."""
+    greedy: top-k of the scores. group_limited_greedy (V2's device-limited routing, V2 paper sec. 2.2.2): keep the
+    topk_group groups with the highest max score. noaux_tc (V3's node-limited routing, V3 report sec. 2.1.2: groups
+    ranked by the sum of their experts' highest K / topk_group scores, 2 per group in V3's configs): choose with
+    scores + e_score_correction_bias (the auxiliary-loss-free balancing bias, sec. 2.1.2), but weight with the
+    unbiased scores. As DeepSeek-V3's inference/model.py Gate and the hub's modeling_deepseek.py do."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -274,11 +260,6 @@ class Gate(nn.Module):
         if a.norm_topk_prob and a.n_activated_experts > 1:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
         return weights_NK * a.routed_scaling_factor, idx_NK, scores_NE
-
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, std=std)
-        if self.e_score_correction_bias is not None:
-            self.e_score_correction_bias.zero_()
 
 
 class MoE(nn.Module):
@@ -329,13 +310,6 @@ class MoE(nn.Module):
             out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND.view(shape)
 
-    def init_weights(self, std: float) -> None:
-        self.gate.init_weights(std)
-        self.experts.init_weights(std)
-        if self.shared_experts is not None:
-            self.shared_experts.init_weights(std)
-        self.tokens_per_expert.zero_()
-
 
 # ---- blocks and the model ---------------------------------------------------------------------------------------------
 class Block(nn.Module):
@@ -352,12 +326,6 @@ class Block(nn.Module):
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_TR, sin_TR)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
-
-    def init_weights(self, std: float) -> None:
-        self.self_attn.init_weights(std)
-        self.mlp.init_weights(std)
-        self.input_layernorm.init_weights()
-        self.post_attention_layernorm.init_weights()
 
 
 class MTPModule(nn.Module):
@@ -376,12 +344,6 @@ class MTPModule(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
         return self.block(x, cos_TR, sin_TR)
 
-    def init_weights(self, std: float) -> None:
-        for norm in (self.enorm, self.hnorm, self.norm):
-            norm.init_weights()
-        _init_linear(self.eh_proj, std)
-        self.block.init_weights(std)
-
 
 class Transformer(nn.Module):
     """Decoder-only LM. `forward(input_ids [B, T]) -> logits [B, T, V]`. Layers live in a ModuleDict keyed by their
@@ -397,25 +359,20 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(args.n_layers + k, args) for k in range(args.n_mtp_layers))
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
-        # Sequence-parallel degree: a pipeline stage without the embedding receives hidden states holding only
-        # T / seq_shards positions under sequence parallelism (set by apply_tensor_parallel).
-        self.seq_shards = 1
 
     def rope_cos_sin(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
         angles_TR = torch.outer(pos_T, self.rope_inv_freq.to(device=device, dtype=torch.float32))
         return angles_TR.cos() * self.rope_attn_factor, angles_TR.sin() * self.rope_attn_factor
 
-    def hidden_states(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids_BT: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits). A pipeline
-        stage without the embedding takes hidden states instead of ids ([B, T / tp, D] under sequence parallelism),
-        and one without the final norm returns its last block's output."""
-        if self.embed_tokens is not None:
-            h_BTD, seq_len = self.embed_tokens(input_ids_BT), input_ids_BT.shape[1]
-        else:
-            h_BTD, seq_len = input_ids_BT, input_ids_BT.shape[1] * self.seq_shards
+        stage without the embedding takes hidden states instead of ids, and one without the final norm returns its
+        last block's output. `seq_len`: the whole sequence's length when the input holds only part of its positions
+        (a later pipeline stage under sequence parallelism receives T / tp of them); default its own length."""
+        h_BTD = self.embed_tokens(input_ids_BT) if self.embed_tokens is not None else input_ids_BT
         # RoPE over the whole sequence: under sequence parallelism h_BTD holds only this rank's T / tp positions.
-        cos_TR, sin_TR = self.rope_cos_sin(seq_len, h_BTD.device)
+        cos_TR, sin_TR = self.rope_cos_sin(seq_len or input_ids_BT.shape[1], h_BTD.device)
         cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, cos_TR, sin_TR)
@@ -424,11 +381,12 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None,
-                loss_chunks: int = 0) -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None, loss_chunks: int = 0,
+                seq_len: int | None = None) -> torch.Tensor:
         """Logits [B, T, V]; or, given labels and loss_chunks > 0, the summed token cross-entropy computed chunk by
-        chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered."""
-        h_BTD = self.hidden_states(input_ids_BT)
+        chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered. `seq_len`:
+        see hidden_states."""
+        h_BTD = self.hidden_states(input_ids_BT, seq_len)
         if self.norm is None:  # a pipeline stage before the last: its output is the next stage's input
             return h_BTD
         if labels_BT is not None and loss_chunks > 0:
@@ -438,47 +396,43 @@ class Transformer(nn.Module):
         # Through the lm_head module (same math as F.linear) so that a tensor-parallel plan's hooks on it apply.
         return self.lm_head(h_BTD) if self.lm_head is not None else F.linear(h_BTD, self.embed_tokens.weight)
 
+    def init_rule(self, name: str, std: float = 0.02) -> tuple[str, float]:
+        """How the parameter or persistent buffer `name` (its checkpoint name) starts: ("normal", std of the draw),
+        ("ones", 1) for the norms' gains or ("zeros", 0) for biases and V3's routing bias. The projections that write
+        into the residual stream (attention's o_proj, every down_proj) draw with std / sqrt(2 * n_layers), GPT-2's
+        residual scaling (Radford et al. 2019, sec. 2.3), so that deep stacks start stable; the untied head with
+        dim^-0.5, so its logits start at unit scale."""
+        if name.endswith("norm.weight"):  # every RMSNorm: *_layernorm, norm, MTP's enorm/hnorm/norm
+            return "ones", 1.0
+        if name.endswith("bias"):  # q/k/v/o biases, mlp.gate.e_score_correction_bias
+            return "zeros", 0.0
+        if name == "lm_head.weight":
+            return "normal", self.args.dim**-0.5
+        if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):
+            return "normal", std / math.sqrt(2 * self.args.n_layers)
+        return "normal", std
+
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, device: torch.device | None = None) -> None:
-        """Initialize every parameter and buffer in place (after `to_empty` from the meta device). Output projections
-        get std / sqrt(2 * n_layers) (GPT-2's residual scaling) so deep stacks start stable."""
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        if self.embed_tokens is not None:
-            nn.init.normal_(self.embed_tokens.weight, std=std)
-        for layer in self.layers.values():
-            layer.init_weights(std)
-            _rescale_outputs(layer, out_std)
-        for m in self.mtp:
-            m.init_weights(std)
-            _rescale_outputs(m.block, out_std)
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, std=self.args.dim**-0.5)
+    def init_weights(self, std: float = 0.02, device: torch.device | None = None, seed: int | None = None) -> None:
+        """Initialize every parameter and buffer in place (after `to_empty` from the meta device) by `init_rule`,
+        each tensor from its own generator seeded by (seed, its name): a pipeline stage, an FSDP2/TP/EP shard or one
+        process all hold the same values of it (models/init.py). seed None: drawn from torch's global generator,
+        so that torch.manual_seed(s) before build_model is reproducible."""
+        from paraseek.models.init import init_weights
+
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        init_weights(self, lambda name: self.init_rule(name, std), seed, device)
         self.init_buffers(device)
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | None = None) -> None:
-        """Recompute the non-persistent buffers (RoPE), which `to_empty` leaves uninitialized."""
+        """Recompute the non-persistent buffers (RoPE, the routing counts), which `to_empty` leaves uninitialized."""
         inv_freq, self.rope_attn_factor = rope_inv_freq(self.args)
         self.rope_inv_freq = inv_freq.to(device or self.rope_inv_freq.device)
-
-
-def _init_linear(lin: nn.Linear, std: float) -> None:
-    nn.init.normal_(lin.weight, std=std)
-    if lin.bias is not None:
-        nn.init.zeros_(lin.bias)
-
-
-def _rescale_outputs(block: Block, out_std: float) -> None:
-    nn.init.normal_(block.self_attn.o_proj.weight, std=out_std)
-    mlp = block.mlp
-    if isinstance(mlp, MoE):
-        nn.init.normal_(mlp.experts.down_proj, std=out_std)
-        if mlp.shared_experts is not None:
-            nn.init.normal_(mlp.shared_experts.down_proj.weight, std=out_std)
-    else:
-        nn.init.normal_(mlp.down_proj.weight, std=out_std)
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.tokens_per_expert.zero_()
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta", dtype: torch.dtype | None = None) -> Transformer:

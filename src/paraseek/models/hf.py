@@ -17,12 +17,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs, read_hf_config
 from paraseek.models.deepseek import Gate, Transformer
+from paraseek.models.init import copy_local
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -164,7 +163,7 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         want = tuple(dst.shape) if expert is None else tuple(dst.shape[1:])
         if tuple(src.shape) != want:
             raise UserError(f"{path.name}: tensor {key!r} has shape {tuple(src.shape)}, the config implies {want}")
-        _copy_into(dst, src, expert)
+        copy_local(dst, src, expert)
         filled.add((name, expert))
     missing = sorted(expected - filled, key=str)
     if missing:
@@ -172,22 +171,6 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         what = name if expert is None else f"{name}[expert {expert}]"
         raise UserError(f"{folder}: the checkpoint lacks {what}{more}")
-
-
-@torch.no_grad()
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, expert: int | None) -> None:
-    """Copy the part of the full tensor `src` (expert row `expert` of a stacked tensor, if given) that this rank
-    holds: all of it for a plain tensor, the local shard for a DTensor (FSDP2/TP), with no communication."""
-    if not isinstance(dst, DTensor):
-        (dst if expert is None else dst[expert]).copy_(src)
-        return
-    shape, offset = compute_local_shape_and_global_offset(dst.shape, dst.device_mesh, dst.placements)
-    local = dst.to_local()
-    if expert is not None:
-        if not offset[0] <= expert < offset[0] + shape[0]:
-            return
-        local, shape, offset = local[expert - offset[0]], shape[1:], offset[1:]
-    local.copy_(src[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
 def load_pretrained(

@@ -24,19 +24,17 @@ def write_snapshot(run_dir: str | Path, rank: int) -> Path | None:
 
 
 def cheapest_fix(args: ModelArgs, cfg, gpu_name: str) -> str:
-    """The planner's breakdown of the plan that ran out of memory and, among the changes the engine can make on the
-    same GPUs (more checkpointing, a smaller micro-batch, more sharding, CPU offload), the predicted-fastest that
-    fits."""
+    """The planner's breakdown of the plan that ran out of memory (`cfg.to_plan()`: every degree, pp included) and,
+    among the changes the engine can make on the same GPUs (more checkpointing, a smaller micro-batch, more sharding,
+    CPU offload), the predicted-fastest that fits and that the engine runs (ParallelDims' rules)."""
     from paraseek.hardware.specs import spec_for_device_name
-    from paraseek.planner import Plan, evaluate, make_cluster
+    from paraseek.planner import evaluate, make_cluster
 
     spec = spec_for_device_name(gpu_name)
     if spec is None:
         return f"no datasheet for {gpu_name!r}: run `paraseek plan` with a --hardware profile for advice"
     cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
-    plan = Plan(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep,
-                micro_batch_size=cfg.micro_batch_size, activation_checkpointing=cfg.activation_checkpointing,
-                cpu_offload=cfg.cpu_offload, reshard_after_forward=cfg.reshard_after_forward)
+    plan = cfg.to_plan()
     now = evaluate(args, cluster, plan, cfg.seq_len, cfg.global_batch_size)
     top = sorted(now.memory.items.items(), key=lambda kv: -kv[1])[:4]
     lines = [f"predicted {now.memory.total / 2**30:.1f} GiB/GPU for this plan: "
@@ -53,20 +51,18 @@ def cheapest_fix(args: ModelArgs, cfg, gpu_name: str) -> str:
                     for rep, shard in dp_options:
                         alt = replace(plan, activation_checkpointing=ac, micro_batch_size=mbs, cpu_offload=offload,
                                       reshard_after_forward=reshard, dp_replicate=rep, dp_shard=shard)
-                        if alt == plan or cfg.global_batch_size % (mbs * rep * shard):
+                        if alt == plan or cfg.global_batch_size % (mbs * rep * shard) or alt.problem(
+                                args, cfg.seq_len, alt.n_microbatches(cfg.global_batch_size), cpu_offload=offload,
+                                compile=cfg.compile, precision=cfg.precision):
                             continue
                         ev = evaluate(args, cluster, alt, cfg.seq_len, cfg.global_batch_size)
                         if not ev.reason and (best is None or ev.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu):
                             best = ev
     if best is not None:
-        b = best.plan
-        flags = [f for f, changed in (
-            (f"--activation-checkpointing {b.activation_checkpointing}", b.activation_checkpointing != plan.activation_checkpointing),
-            (f"--micro-batch-size {b.micro_batch_size}", b.micro_batch_size != plan.micro_batch_size),
-            ("--cpu-offload", b.cpu_offload and not plan.cpu_offload),
-            ("--reshard-after-forward true", b.reshard_after_forward and not plan.reshard_after_forward),
-            (f"--dp-replicate {b.dp_replicate} --dp-shard {b.dp_shard}", b.dp_shard != plan.dp_shard),
-        ) if changed]
+        now_flags, best_flags = plan.flags(), best.plan.flags()
+        flags = [f for f in best_flags if f not in now_flags]
+        if "--reshard-after-forward false" in now_flags and "--reshard-after-forward false" not in best_flags:
+            flags.append("--reshard-after-forward true")
         lines.append(f"cheapest fix: {' '.join(flags)} (predicted {best.memory.total / 2**30:.1f} GiB/GPU, "
                      f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU); `paraseek plan` lists every option")
     else:

@@ -17,8 +17,7 @@ sign(mean load - load_i)), V3's complementary sequence-wise balance loss (eqs. 1
 balance loss (V2 paper sec. 2.2.3, eqs. 12-14; `seq_aux` as in the hub's modeling_deepseek.py), plus the per-step
 load telemetry (tokens per expert, max/mean).
 
-Shape legend: N tokens, M token-expert slots (N*K), D model dim, E experts, L local experts (E/ep), K experts per
-token, R ranks of the EP group, B sequences, T tokens per sequence, Y MoE layers.
+Shape letters: models/deepseek.py's legend (here P is the ranks of the EP group, L their local experts).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class ExpertParallelExperts(Experts):
         for name in ("gate_proj", "up_proj", "down_proj"):
             full = getattr(experts, name)
             if isinstance(full, DTensor):
-                raise UserError("apply_expert_parallel must run before FSDP/TP (on the plain, meta-device model)")
+                raise ValueError("apply_expert_parallel must run before FSDP/TP (on the plain, meta-device model)")
             local = full.detach()[lo:lo + self.n_local]
             if not local.is_meta:
                 local = local.clone()  # own storage: the other ranks' experts are freed with the full tensor
@@ -68,25 +67,25 @@ class ExpertParallelExperts(Experts):
             setattr(self, name, nn.Parameter(param, requires_grad=full.requires_grad))
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
-        R, L = self.ep_size, self.n_local
+        P, L = self.ep_size, self.n_local
         group = self.ep_mesh.get_group()
         # 1. Slot counts: rank s learns how many rows every rank sends to each of its L experts.
-        send_RL = counts_E.view(R, L)
-        recv_RL = torch.empty_like(send_RL)
-        dist.all_to_all_single(recv_RL, send_RL, group=group)
-        send_R, recv_R = send_RL.sum(1), recv_RL.sum(1)
-        splits = torch.cat([send_R, recv_R]).tolist()  # the one host sync: a2a splits are host ints
-        send_splits, recv_splits = splits[:R], splits[R:]
+        send_PL = counts_E.view(P, L)
+        recv_PL = torch.empty_like(send_PL)
+        dist.all_to_all_single(recv_PL, send_PL, group=group)
+        send_P, recv_P = send_PL.sum(1), recv_PL.sum(1)
+        splits = torch.cat([send_P, recv_P]).tolist()  # the one host sync: a2a splits are host ints
+        send_splits, recv_splits = splits[:P], splits[P:]
         # 2. Rows to their owners. x_MD is sorted by expert, so the rows for rank r are one contiguous run.
         x_recv = all_to_all_single_autograd(x_MD, recv_splits, send_splits, group)
         # 3. Received rows are (source rank, local expert)-major; reorder them expert-major (source order kept within
         # an expert: the rows of one expert are exactly the rows, in the order, that one device would see).
-        seg = torch.repeat_interleave(torch.arange(R * L, device=recv_RL.device), recv_RL.flatten(),
+        seg = torch.repeat_interleave(torch.arange(P * L, device=recv_PL.device), recv_PL.flatten(),
                                       output_size=sum(recv_splits))
-        order = torch.argsort((seg % L) * R + seg // L, stable=True)
+        order = torch.argsort((seg % L) * P + seg // L, stable=True)
         x_local = x_recv[order]
         # 4. The local experts, as `Experts.forward` computes them: one grouped GEMM per projection.
-        counts_L = recv_RL.sum(0)
+        counts_L = recv_PL.sum(0)
         h = F.silu(grouped_mm(x_local, _local(self.gate_proj), counts_L, use_grouped)) * grouped_mm(
             x_local, _local(self.up_proj), counts_L, use_grouped)
         y_local = grouped_mm(h, _local(self.down_proj), counts_L, use_grouped)
@@ -112,7 +111,7 @@ def apply_expert_parallel(model: nn.Module, ep: DeviceMesh | ProcessGroup) -> No
     Run it on the model as built (meta device or real), before FSDP2/activation checkpointing/compile. Afterwards:
     `apply_expert_fsdp` (FSDP2 of the experts over the dp ranks outside the EP group) before the per-block
     `fully_shard`; `to_empty` + `init_weights` or `load_state_into` then fill the local shards (DTensor-aware, no
-    communication). `ep_meshes` builds the meshes."""
+    communication). parallel/mesh.py slices both meshes (ParallelMesh.ep, .expert_dp)."""
     if isinstance(ep, ProcessGroup):
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend(ep) == "nccl" else "cpu"
         ep = DeviceMesh.from_group(ep, device_type, mesh_dim_names=("ep",))
@@ -121,13 +120,13 @@ def apply_expert_parallel(model: nn.Module, ep: DeviceMesh | ProcessGroup) -> No
     if ep.size() == 1:
         return
     for moe in moe_layers(model):
-        if moe.n_experts % ep.size():
-            raise UserError(f"--ep {ep.size()} does not divide the {moe.n_experts} routed experts; choose a divisor")
+        if moe.n_experts % ep.size():  # ParallelDims.check refuses it before a run starts
+            raise ValueError(f"ep {ep.size()} does not divide the {moe.n_experts} routed experts")
         moe.experts = ExpertParallelExperts(moe.experts, ep)
 
 
 def apply_expert_fsdp(model: nn.Module, expert_dp_mesh: DeviceMesh, dp_size: int, **fsdp_kwargs) -> None:
-    """FSDP2 for the EP-sharded routed experts, over the dp ranks outside the EP group (`ep_meshes(...)["expert_dp"]`,
+    """FSDP2 for the EP-sharded routed experts, over the dp ranks outside the EP group (ParallelMesh.expert_dp,
     possibly of size 1). Call it before the per-block `fully_shard`, which then leaves these parameters alone.
 
     The all-to-all's backward already sums the EP group's gradient contributions on the owning rank, so the experts'
@@ -144,51 +143,6 @@ def apply_expert_fsdp(model: nn.Module, expert_dp_mesh: DeviceMesh, dp_size: int
         if expert_dp_mesh.device_type == "cpu" and shard_size > 1:
             # gloo has no PREMUL_SUM: sum, then divide. Not with a size-1 shard dim: torch 2.13 then divides twice.
             moe.experts.set_force_sum_reduction_for_comms(True)
-
-
-def ep_meshes(mesh: DeviceMesh, ep: int) -> dict[str, DeviceMesh]:
-    """The EP meshes of a mesh built by `apply.build_mesh(..., ep=ep)` (dims dp_replicate, dp_shard_mod_ep, ep,
-    with dp_shard flattened from the last two): "ep", the 1-D EP mesh for `apply_expert_parallel`, and
-    "expert_dp", the dp ranks outside the EP group, (dp_replicate, dp_shard_mod_ep) or dp_shard_mod_ep (possibly
-    of size 1), for `apply_expert_fsdp`. Everything else keeps FSDP2 over the whole dp mesh, as without EP."""
-    if "ep" not in (mesh.mesh_dim_names or ()):
-        raise ValueError("build the mesh with apply.build_mesh(..., ep=ep) to carve expert-parallel groups")
-    dp_replicate = mesh["dp_replicate"].size()
-    return {
-        "ep": mesh["ep"],
-        "expert_dp": mesh["dp_replicate", "dp_shard_mod_ep"] if dp_replicate > 1 else mesh["dp_shard_mod_ep"],
-    }
-
-
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, stages: ProcessGroup | None = None,
-                   fused_optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
-    """Global L2 gradient norm (and clipping to max_norm if > 0) when gradients live on several meshes: with EP the
-    routed experts' are DTensors on (expert_dp, ep), everything else's on the dp mesh, and DTensor ops refuse to
-    mix meshes. One norm per mesh, made whole with full_tensor, then combined -- the norm of the whole model on
-    every rank. `stages`: the pipeline group; each pp rank holds other layers, so the squared norms are summed over
-    it. `fused_optimizer`: a fused Adam/AdamW about to step (and no GradScaler): the clip is handed to it as the
-    `grad_scale` its kernel divides every gradient by -- the attribute torch's GradScaler sets -- instead of a
-    pass of its own over the gradients (read + write of every fp32 gradient, ~1% of an 8B model's step)."""
-    by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = []
-    for group in by_mesh.values():  # the same order on every rank (parameter order): the collectives line up
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    if stages is not None:
-        total_sq = total.square()
-        dist.all_reduce(total_sq, group=stages)
-        total = total_sq.sqrt()
-    if max_norm > 0 and fused_optimizer is not None:
-        # clip_grads_with_norm_ multiplies by min(1, max_norm / (total + 1e-6)); dividing by its inverse is the same.
-        fused_optimizer.grad_scale = ((total.float() + 1e-6) / max_norm).clamp(min=1.0)
-    elif max_norm > 0:
-        for group in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
-    return total
 
 
 # ---- load telemetry and V3's auxiliary-loss-free balancing ------------------------------------------------------------

@@ -16,66 +16,15 @@ the first holds the embedding, the last the final norm and head; the others take
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import Transformer
-
-# torch.distributed.pipelining's names. Single-stage schedules hold one stage per rank, the others v >= 2.
-SINGLE_SCHEDULES = ("GPipe", "1F1B")
-MULTI_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-SCHEDULES = SINGLE_SCHEDULES + MULTI_SCHEDULES
-
-
-def default_virtual_stages(schedule: str) -> int:
-    return 1 if schedule in SINGLE_SCHEDULES else 2
-
-
-def check_pipeline(args: ModelArgs, pp: int, v: int, schedule: str, n_microbatches: int, *, compile: bool = False,
-                   precision: str = "bf16") -> None:
-    """Raise UserError for a pipeline that cannot run: unknown schedule, stages vs layers, micro-batch counts, and
-    what the engine does not combine with pipelining."""
-    if pp < 1 or v < 1:
-        raise UserError(f"--pp {pp} and --pp-virtual-stages {v} must be positive")
-    if pp == 1:
-        return
-    if schedule not in SCHEDULES:
-        raise UserError(f"--pp-schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if schedule in SINGLE_SCHEDULES and v != 1:
-        raise UserError(f"--pp-schedule {schedule} runs one stage per rank; use --pp-virtual-stages 1 or an "
-                        f"interleaved schedule ({', '.join(MULTI_SCHEDULES)})")
-    if schedule in MULTI_SCHEDULES and v < 2:
-        raise UserError(f"--pp-schedule {schedule} needs --pp-virtual-stages 2 or more")
-    if schedule == "ZBVZeroBubble" and v != 2:
-        raise UserError("--pp-schedule ZBVZeroBubble holds exactly 2 stages per rank (--pp-virtual-stages 2)")
-    if precision == "fp16":
-        raise UserError("--pp with --precision fp16 is not supported (the loss scaler would have to scale the loss "
-                        "inside the schedule and agree across stages); use bf16")
-    if compile and "ZeroBubble" in schedule:
-        raise UserError(f"--pp-schedule {schedule} splits the backward into input and weight parts, which "
-                        "torch.compile'd blocks do not support; use 1F1B or Interleaved1F1B with --compile")
-    if pp * v > args.n_layers:
-        raise UserError(f"--pp {pp} x --pp-virtual-stages {v} = {pp * v} stages, but the model has "
-                        f"{args.n_layers} layers (each stage needs at least one)")
-    if args.tie_embeddings:
-        raise UserError("--pp with tied input/output embeddings is not supported (the first and last stages "
-                        "would share one weight); use --tp or FSDP for this model")
-    if n_microbatches < pp:
-        raise UserError(f"--pp {pp} needs at least {pp} micro-batches per step to fill the pipeline, but "
-                        f"global batch / (micro-batch x data-parallel size) = {n_microbatches}; raise "
-                        "--global-batch-size or lower --micro-batch-size")
-    if schedule in MULTI_SCHEDULES and n_microbatches % pp:
-        raise UserError(f"--pp-schedule {schedule} needs a multiple of --pp {pp} micro-batches per step, got "
-                        f"{n_microbatches}")
 
 
 @dataclass(frozen=True)
@@ -153,11 +102,20 @@ def whole_model_view(args: ModelArgs, stages: list[Transformer]) -> Transformer:
 
 class Pipeline:
     """This rank's stages and torch's schedule; `step(inputs, labels)` runs forward and backward of every
-    micro-batch and returns the losses the last stage computed (an empty list on other ranks)."""
+    micro-batch and returns the losses the last stage computed (an empty list on other ranks). `seq_shards`: the
+    hidden states between stages hold T / seq_shards positions (tensor parallelism's sequence sharding)."""
 
     def __init__(self, stages: list[Transformer], stage_ids: list[int], n: int, schedule: str, n_microbatches: int,
-                 loss_fn, device: torch.device, group: dist.ProcessGroup):
+                 loss_fn, device: torch.device, group: dist.ProcessGroup, seq_shards: int = 1):
+        # Imported here, as only pipelined runs need it: torch.distributed.pipelining imports torch._dynamo (~1 s
+        # of a process's start; FSDP2 imports it too, DDP and the parent never do).
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
         self.has_first, self.has_last = 0 in stage_ids, n - 1 in stage_ids
+        for st in stages:
+            if st.embed_tokens is None and seq_shards > 1:
+                st.register_forward_pre_hook(_whole_sequence_length(seq_shards), with_kwargs=True)
         pipe_stages = [PipelineStage(st, sid, n, device, group=group) for st, sid in zip(stages, stage_ids)]
         cls = get_schedule_class(schedule)
         # scale_grads=False: the loss is already normalized by the tokens per rank and step (see train.loop).
@@ -178,3 +136,13 @@ class Pipeline:
         else:
             self.schedule.step(*args, **self.step_kw)
         return losses
+
+
+def _whole_sequence_length(seq_shards: int):
+    """A stage's forward pre-hook: the schedule calls a stage with its input alone, which for a stage after the
+    first holds T / seq_shards positions; RoPE needs the whole sequence's length (Transformer.forward's seq_len)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "seq_len": args[0].shape[1] * seq_shards}
+
+    return hook

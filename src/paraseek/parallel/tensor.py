@@ -24,26 +24,25 @@ Gradients of replicated parameters. A replicated parameter that only sees this r
 and routed experts) or only this rank's heads (MLA's shared down-projections, whose output feeds the local heads)
 gets a partial gradient; the true one is the sum over tp. The norms are Replicate DTensors, whose gradient comes
 back as a Partial DTensor that FSDP2 reduces on its own. The router, the routed experts and MLA's replicated
-modules stay plain parameters (the routing code indexes, sorts and splits by counts: it runs on local tensors),
-and `reduce_tp_grads(model)` sums their gradients over tp -- call it after the last backward of a step, before
-clipping (it also reduces the norms' Partial gradients where no FSDP2 did).
+modules stay plain parameters (the routing code indexes, sorts and splits by counts: it runs on local tensors):
+`apply_tensor_parallel` returns these modules, and `reduce_tp_grads(model, partial, tp_mesh)` sums their gradients
+over tp -- after the last backward of a step, before clipping (it also reduces the norms' Partial gradients where no
+FSDP2 did).
 
 The loss: inside `torch.distributed.tensor.parallel.loss_parallel()`, forward *and* backward,
 `F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")` on the vocab-sharded DTensor logits
-(labels a plain tensor, the same on every tp rank) returns a replicated DTensor scalar; see `tp_loss`.
+(labels a plain tensor, the same on every tp rank) returns a replicated DTensor scalar (train/optim.py:token_loss).
 
-Order (TorchTitan's): TP -> activation checkpointing -> torch.compile -> FSDP2 on the dp sub-mesh of the same
-DeviceMesh (tp the innermost mesh dim), on a model still on the meta device.
+Order: parallel/parallelize.py (EP -> TP -> activation checkpointing -> torch.compile -> FSDP2 on the dp sub-mesh of
+the same DeviceMesh, tp its innermost dim), on a model still on the meta device.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -57,34 +56,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from paraseek.errors import UserError
-from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import MLA, MLP, Attention, Block, MoE, Transformer
-
-# Modules whose own parameters get partial gradients over tp; the value is the tp mesh (see reduce_tp_grads).
-_PARTIAL_GRAD_ATTR = "_paraseek_tp_partial_grad_mesh"
-
-
-def check_tensor_parallel(args: ModelArgs, tp: int) -> None:
-    """Raise UserError unless `tp` divides every dimension that tensor parallelism shards for this model."""
-    if tp < 1:
-        raise UserError(f"--tp {tp}: the tensor-parallel degree must be at least 1")
-    if tp == 1:
-        return
-    dims = {"attention heads (num_attention_heads)": args.n_heads, "vocab_size": args.vocab_size}
-    if not args.is_mla:
-        dims["key/value heads (num_key_value_heads)"] = args.n_kv_heads
-    if any(not args.is_moe_layer(i) for i in range(args.n_layers)):
-        dims["intermediate_size"] = args.inter_dim
-    if args.n_routed_experts and args.n_shared_experts:
-        dims["shared-expert width (moe_intermediate_size x n_shared_experts)"] = args.moe_inter_dim * args.n_shared_experts
-    bad = {name: n for name, n in dims.items() if n % tp}
-    if bad:
-        fits = [d for d in range(2, 65) if all(n % d == 0 for n in dims.values())]
-        what = ", ".join(f"{name} = {n}" for name, n in bad.items())
-        hint = f"--tp {' or '.join(map(str, fits))} would" if fits else "only --tp 1 does"
-        raise UserError(f"--tp {tp} does not divide the model's {what}; {hint}")
-
 
 class _ReplicateKeepPartialGrad(torch.autograd.Function):
     """A local tensor, equal on every tp rank, as a Replicate DTensor for a column-parallel layer, whose gradient
@@ -138,10 +110,6 @@ def _gather_attention_input(mesh: DeviceMesh, layout):
     return hook
 
 
-def _mark_partial_grad(module: nn.Module, mesh: DeviceMesh) -> None:
-    setattr(module, _PARTIAL_GRAD_ATTR, mesh)
-
-
 def _parallelize_attention(attn: Attention, mesh: DeviceMesh, seq: object) -> None:
     parallelize_module(attn, mesh, {
         "": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
@@ -152,14 +120,14 @@ def _parallelize_attention(attn: Attention, mesh: DeviceMesh, seq: object) -> No
     })
 
 
-def _parallelize_mla(attn: MLA, mesh: DeviceMesh, seq: object) -> None:
+def _parallelize_mla(attn: MLA, mesh: DeviceMesh, seq: object) -> list[nn.Module]:
+    """Returns the replicated modules of the latent path, whose gradients are partial over tp."""
     parallelize_module(attn, mesh, {"o_proj": RowwiseParallel(output_layouts=seq)})
     attn.register_forward_pre_hook(_gather_attention_input(mesh, seq))
     for name in ("q_b_proj" if attn.q_lora_rank else "q_proj", "kv_b_proj"):
         _colwise_keep_partial_grad(getattr(attn, name), mesh)
-    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-        if hasattr(attn, name):
-            _mark_partial_grad(getattr(attn, name), mesh)
+    return [getattr(attn, name) for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+            if hasattr(attn, name)]
 
 
 def _parallelize_mlp(mlp: MLP, mesh: DeviceMesh, layout: object, out_layout: object) -> None:
@@ -171,36 +139,38 @@ def _parallelize_mlp(mlp: MLP, mesh: DeviceMesh, layout: object, out_layout: obj
     })
 
 
-def _parallelize_moe(moe: MoE, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _parallelize_moe(moe: MoE, mesh: DeviceMesh, sequence_parallel: bool) -> list[nn.Module]:
+    """Returns the router and the routed experts under SP (each tp rank routes its own tokens through them: their
+    gradients are partial over tp)."""
+    partial = []
     if sequence_parallel:
         # The MoE works on this rank's tokens as a plain tensor: routing sorts and splits rows by expert counts.
         parallelize_module(moe, mesh, PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
                                                          use_local_output=True))
-        _mark_partial_grad(moe.gate, mesh)
-        _mark_partial_grad(moe.experts, mesh)
+        partial = [moe.gate, moe.experts]
     if moe.shared_experts is not None:
         # MoE.forward hands the shared experts its flattened tokens [N, D]: with SP, this rank's N / tp rows
         # (Shard(0) of the rank-ordered concatenation), gathered for the column-parallel projections and
         # reduce-scattered back to the same rows.
         layout = Shard(0) if sequence_parallel else Replicate()
         _parallelize_mlp(moe.shared_experts, mesh, layout, layout)
+    return partial
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> list[nn.Module]:
     """Shard `model` in place over the 1-D `tp_mesh` (the "tp" sub-mesh of the run's DeviceMesh); before
-    activation checkpointing, torch.compile and FSDP2, on the meta device or on real weights.
+    activation checkpointing, torch.compile and FSDP2, on the meta device or on real weights. Returns the modules
+    whose own parameters get partial gradients over tp, for `reduce_tp_grads`.
 
     Tied embeddings are supported: the embedding's vocab-sharded weight serves as the column-parallel head.
-    The MTP modules (not run by `forward`) stay replicated. Sequence lengths must be divisible by tp under SP."""
-    tp = tp_mesh.size()
-    args = model.args
-    check_tensor_parallel(args, tp)
-    if tp == 1:
-        return
+    The MTP modules (not run by `forward`) stay replicated. tp must divide the model's heads, widths and vocabulary,
+    and under SP the sequence length (planner.dims.ParallelDims.check says so before a run starts)."""
+    if tp_mesh.size() == 1:
+        return []
     if any(not isinstance(b, Block) for b in model.layers.values()):
         raise ValueError("apply_tensor_parallel must run before activation checkpointing / compile wrap the blocks")
     seq = Shard(1) if sequence_parallel else Replicate()
-
+    partial: list[nn.Module] = []
     if model.embed_tokens is not None:
         parallelize_module(model.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
         model.embed_tokens.register_forward_hook(_sync_redistribute(seq), prepend=True)
@@ -209,11 +179,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             parallelize_module(block.input_layernorm, tp_mesh, SequenceParallel())
             parallelize_module(block.post_attention_layernorm, tp_mesh, SequenceParallel())
         if isinstance(block.self_attn, MLA):
-            _parallelize_mla(block.self_attn, tp_mesh, seq)
+            partial += _parallelize_mla(block.self_attn, tp_mesh, seq)
         else:
             _parallelize_attention(block.self_attn, tp_mesh, seq)
         if isinstance(block.mlp, MoE):
-            _parallelize_moe(block.mlp, tp_mesh, sequence_parallel)
+            partial += _parallelize_moe(block.mlp, tp_mesh, sequence_parallel)
         else:
             _parallelize_mlp(block.mlp, tp_mesh, seq, seq)
     if model.norm is not None and sequence_parallel:
@@ -226,9 +196,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         # DTensor h makes that a column-parallel matmul whose logits come out Shard(-1) with no communication.
         parallelize_module(model.norm, tp_mesh,
                            PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False))
-    if sequence_parallel:
-        model.seq_shards = tp
-        model.register_forward_pre_hook(_check_seq_len(tp))
+    return partial
 
 
 def _sync_redistribute(layout):
@@ -243,36 +211,24 @@ def _sync_redistribute(layout):
     return hook
 
 
-def _check_seq_len(tp: int):
-    def hook(module: nn.Module, args: tuple) -> None:
-        if args and args[0].dim() == 2 and args[0].shape[1] % tp:
-            raise UserError(f"sequence length {args[0].shape[1]} is not divisible by --tp {tp}, as sequence "
-                            f"parallelism needs; choose a --seq-len that is a multiple of {tp}")
-
-    return hook
-
-
 @torch.no_grad()
-def reduce_tp_grads(model: nn.Module) -> None:
+def reduce_tp_grads(model: nn.Module, partial: list[nn.Module], tp_mesh: DeviceMesh) -> None:
     """Finish the gradients of tensor-parallel replicated parameters; after the step's last backward, before
     clipping (and after FSDP2's reduce-scatter, which backward already ran).
 
-    Sums over tp the gradients of the modules marked partial (MLA's shared down-projections; the router and routed
-    experts under SP), one all-reduce per dtype: their local gradient (a plain tensor, or FSDP2's dp shard, which
-    every tp rank of a dp rank holds alike) is this rank's summand. Redistributes any remaining Partial DTensor
-    gradient (SP norms when no FSDP2 reduced them) to its parameter's placements."""
+    Sums over tp the gradients of the `partial` modules' own parameters (what apply_tensor_parallel returned), one
+    all-reduce per dtype: their local gradient (a plain tensor, or FSDP2's dp shard, which every tp rank of a dp rank
+    holds alike) is this rank's summand. Redistributes any remaining Partial DTensor gradient of `model` (SP norms
+    when no FSDP2 reduced them) to its parameter's placements."""
     buckets: dict[tuple, list[torch.Tensor]] = {}
-    for m in model.modules():
-        mesh = getattr(m, _PARTIAL_GRAD_ATTR, None)
-        if mesh is None:
-            continue
+    for m in partial:
         for p in m.parameters(recurse=False):
             if p.grad is not None:
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # no_grad: the same storage
-                buckets.setdefault((id(mesh), g.dtype, g.device), [mesh]).append(g)
-    for mesh, *grads in buckets.values():
+                buckets.setdefault((g.dtype, g.device), []).append(g)
+    for grads in buckets.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=mesh.get_group())
+        dist.all_reduce(flat, group=tp_mesh.get_group())
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
     for p in model.parameters():
@@ -280,81 +236,15 @@ def reduce_tp_grads(model: nn.Module) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-def _sharded_over_tp(t: torch.Tensor, tp_name: str) -> bool:
-    if not isinstance(t, DTensor) or tp_name not in (t.device_mesh.mesh_dim_names or ()):
-        return False  # plain, or a DTensor on a mesh without tp (FSDP2's dp shards of a tp-replicated parameter)
-    return not t.placements[t.device_mesh.mesh_dim_names.index(tp_name)].is_replicate()
-
-
-@torch.no_grad()
-def init_weights_tp(model: Transformer, tp_mesh: DeviceMesh, seed: int, device: torch.device | None = None) -> None:
-    """Initialize a tensor-parallel model from scratch (after `to_empty`): its tp shards drawn independently, its
-    tp-replicated parameters and buffers the same on every tp rank. `seed` as without TP (the loop's seed + dp
-    shard coordinate). DTensor's own RNG tracker exists only for CUDA meshes: on a CPU mesh every tp rank would draw
-    the same shard, duplicating heads and columns, so the seed is offset by the tp coordinate here and whatever is
-    replicated over tp is then broadcast from tp rank 0."""
-    tp_name = (tp_mesh.mesh_dim_names or ("tp",))[0]
-    torch.manual_seed(seed + 1_000_003 * tp_mesh.get_local_rank())
-    model.init_weights(device=device)
-    group = tp_mesh.get_group()
-    src = dist.get_global_rank(group, 0)
-    for t in [*model.parameters(), *model.buffers()]:
-        if not _sharded_over_tp(t, tp_name):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            dist.broadcast(local, src=src, group=group)
-
-
-def grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients, the same on every rank, whatever mix of plain tensors and DTensors on different
-    meshes they are (TP's 2-D (dp, tp) parameters next to the dp-only sharded routed experts). Plain gradients are
-    taken as replicated. Call after reduce_tp_grads."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p.grad)
-    total_sq = None
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq = norm.float() ** 2 if total_sq is None else total_sq + norm.float().to(total_sq.device) ** 2
-    return total_sq.sqrt() if total_sq is not None else torch.zeros(())
-
-
-@torch.no_grad()
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """grad_norm, then scale every gradient by min(1, max_norm / norm) as torch's clip_grad_norm_ does (no-op for
-    max_norm <= 0); returns the norm. The same as paraseek.parallel.expert.clip_grad_norm, which groups by mesh."""
-    params = [p for p in params if p.grad is not None]
-    total = grad_norm(params)
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in params:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            local.mul_(coef.to(device=local.device, dtype=local.dtype))
-    return total
-
-
-def tp_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Sum of the token cross-entropies. With vocab-sharded DTensor logits (the TP head's output) call it, and run
-    backward, inside `loss_parallel()` (see loss_context): each rank computes log-softmax on its V / tp columns
-    with a max and a sum all-reduced over tp, never the whole [B, T, V]. Returns a replicated DTensor scalar then
-    (`.full_tensor()` for a plain value); a plain tensor for plain logits."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), reduction="sum")
-
-
 def loss_context(tensor_parallel: bool):
     """`loss_parallel()` when the model is tensor-parallel, else a no-op; wrap forward, loss and backward in it."""
     return loss_parallel() if tensor_parallel else nullcontext()
 
 
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor for logging: the full value of a (replicated) DTensor, `t` itself otherwise."""
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: the whole value of a DTensor (gathered if sharded, e.g. the replicated scalar loss_parallel's
+    loss is), `t` itself otherwise."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-__all__ = [
-    "apply_tensor_parallel", "check_tensor_parallel", "reduce_tp_grads", "init_weights_tp", "grad_norm",
-    "clip_grad_norm_", "tp_loss", "loss_context", "local_value",
-]
+__all__ = ["apply_tensor_parallel", "reduce_tp_grads", "loss_context", "full_value"]

@@ -34,7 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="with --scaling: write a plot (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--all-dims", action="store_true",
-                   help="also rank tensor/pipeline/expert-parallel plans, which paraseek train does not run yet")
+                   help="also rank what paraseek train does not run, as predictions: tp with DDP, CPU offload with "
+                   "tp or pp, pipelines of tied embeddings, and ZBVZeroBubble (not measured on GPUs yet)")
     p.set_defaults(func=run_plan)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, hot_ranks, is_ddp, rank_shares
+from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, hot_ranks, rank_shares
 from paraseek.planner.plan import Cluster, Plan
 
 ALPHA_INTRA_S, ALPHA_INTER_S = 10e-6, 20e-6  # per collective: launch + latency (inter-node grows with log2 n)
@@ -41,7 +41,10 @@ GROUPED_HALF_ROWS = 450  # rows per expert at which grouped GEMMs reach half the
 # reduce_tp_grads: torch.cat reads and writes the grads into one flat buffer, the copy back reads and writes them again
 TP_GRAD_COPY_TRAFFIC = 4.0
 PP_ACTION_OVERHEAD_S = 0.5e-3  # per forward or backward of a chunk: the schedule's p2p waits and Python dispatch
-ZB_BUBBLE_SHARE = 1 / 3  # zero-bubble V keeps a third of an interleaved(v=2) bubble (imperfect W filling)
+# ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", the V schedule of zero-bubble pipelining)
+# fills the bubble with the weight-gradient passes; a third of an interleaved (v=2) bubble left over is our estimate of
+# the imperfect filling, not a measurement yet (--plan auto does not pick ZBVZeroBubble).
+ZB_BUBBLE_SHARE = 1 / 3
 # Host (CPU) seconds per block per micro-batch, forward + backward, of eager PyTorch: Python, the dispatcher and
 # ~100-300 kernel launches per block. The GPU only runs ahead while the host launches faster than it computes; with
 # few tokens per micro-batch, MoE routing, DTensor's per-op dispatch under TP or selective checkpointing's Python
@@ -102,9 +105,9 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     full, sel = plan.activation_checkpointing == "full", plan.activation_checkpointing == "selective"
     recompute = FULL_AC_RECOMPUTE if full else 1.0  # the forward again: ~1/5 of fwd+bwd time (backward is slower)
     act_bytes = tokens * BF16 * a.dim  # one activation tensor [mbs, seq, D] in bf16
-    tp_call = collective(c, act_bytes, 1, tp, "all_gather")  # AG and RS of the same buffer cost the same
-    world_stride = plan.world // plan.pp
-    p2p = (act_bytes / tp) / c.busbw(world_stride, 2)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
+    # Each group priced at the link it spans under the mesh order (ParallelDims.stride).
+    tp_call = collective(c, act_bytes, plan.stride("tp"), tp, "all_gather")  # AG and RS of one buffer cost the same
+    p2p = (act_bytes / tp) / c.busbw(plan.stride("pp"), 2)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
 
     # Expert GEMMs get more rows per expert as EP gathers tokens from ep ranks, fewer under TP + SP (each tp rank
     # routes only its T / tp tokens to its whole replicated experts): small GEMMs are inefficient.
@@ -125,7 +128,8 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
             "tp_comm": len(s.layers) * (12 if full else 8) * tp_call + (4 * tp_call if s.last else 0.0),
             # dispatch + combine, forward and backward (+ forward again under full AC)
             "ep_all_to_all": s.n_moe * (6 if full else 4) * (
-                collective(c, tokens * s.dispatch_max * MOE_IMBALANCE, tp, ep, "all_to_all") + EP_CALL_OVERHEAD_S)
+                collective(c, tokens * s.dispatch_max * MOE_IMBALANCE, plan.stride("ep"), ep, "all_to_all")
+                + EP_CALL_OVERHEAD_S)
             if ep > 1 else 0.0,
             "pp_p2p": 2 * plan.pp_virtual_stages * (p2p + PP_ACTION_OVERHEAD_S) if plan.pp > 1 else 0.0,
         }
@@ -145,10 +149,11 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     dense, experts = s.dense, s.experts / ep
 
     def fsdp_round(gathers: int) -> float:
-        return (gathers * (collective(c, BF16 * dense, tp, plan.dp_shard, "all_gather")
-                           + collective(c, BF16 * experts, tp * ep, plan.dp_shard // ep, "all_gather"))
-                + collective(c, FP32 * dense, tp, plan.dp_shard, "reduce_scatter")
-                + collective(c, FP32 * experts, tp * ep, plan.dp_shard // ep, "reduce_scatter")
+        shard, expert_dp = plan.stride("dp_shard"), plan.stride("expert_dp")
+        return (gathers * (collective(c, BF16 * dense, shard, plan.dp_shard, "all_gather")
+                           + collective(c, BF16 * experts, expert_dp, plan.dp_shard // ep, "all_gather"))
+                + collective(c, FP32 * dense, shard, plan.dp_shard, "reduce_scatter")
+                + collective(c, FP32 * experts, expert_dp, plan.dp_shard // ep, "reduce_scatter")
                 + (gathers + 1) * (n_blocks - 1) * (ALPHA_INTRA_S if plan.dp_shard > 1 else 0.0))
 
     def exposed(comm: float, behind: float) -> float:
@@ -164,15 +169,15 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     # and even on a 1-rank mesh: memory-bound work on the compute stream.
     single = 2.0 if plan.dp_shard == 1 else 1.0  # measured: FSDP2 on a 1-rank mesh costs twice as much per param
     items["fsdp_copies"] = (single * rounds * (gathers * FSDP_COPY_BYTES[0] + FSDP_COPY_BYTES[1]) * (dense + experts)
-                            / hbm if not is_ddp(plan) else 0.0)
+                            / hbm if not plan.ddp else 0.0)
     owned = (s.dense + s.experts) / plan.dp_shard
     # HSDP/DDP: all-reduce of the (sharded) fp32 grads over dp_replicate, behind the last backward.
-    ar = collective(c, FP32 * owned, tp * plan.dp_shard, plan.dp_replicate, "all_reduce")
+    ar = collective(c, FP32 * owned, plan.stride("dp_replicate"), plan.dp_replicate, "all_reduce")
     items["dp_allreduce"] = exposed(ar, t_mb * 2 / 3) if plan.dp_replicate > 1 else 0.0
     # TP: the partial fp32 grads of the tp-replicated params (router, routed experts / ep, MLA's latent path), dp
     # shards after FSDP2's reduce, summed over tp in one flat all-reduce after backward, nothing left to hide behind.
     partial = max(x.tp_partial for x in shares) / plan.dp_shard
-    items["tp_grad_allreduce"] = (collective(c, FP32 * partial, 1, tp, "all_reduce")
+    items["tp_grad_allreduce"] = (collective(c, FP32 * partial, plan.stride("tp"), tp, "all_reduce")
                                   + TP_GRAD_COPY_TRAFFIC * FP32 * partial / hbm) if tp > 1 and partial else 0.0
     if plan.cpu_offload:
         # Each gather copies the fp32 shard host->device; each reduce copies fp32 grads back (PCIe, per GPU).

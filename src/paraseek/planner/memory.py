@@ -356,11 +356,6 @@ class Memory:
     # optimizer_step
 
 
-def is_ddp(plan: Plan) -> bool:
-    """The engine's rule: DDP when replicas are not sharded; a single process still runs FSDP2 (a 1-rank mesh)."""
-    return plan.dp_shard == 1 and plan.dp_replicate > 1
-
-
 def n_groups(plan: Plan) -> int:
     """Communicators of size > 1 that a rank belongs to (each keeps NCCL buffers)."""
     sizes = [plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp]
@@ -376,7 +371,7 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
     shares = rank_shares(t, tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
     m = plan.n_microbatches(global_batch_size)
     tokens = plan.micro_batch_size * t.seq_len  # per micro-batch per dp rank
-    fsdp = not is_ddp(plan)
+    fsdp = not plan.ddp
     on_gpu = 0.0 if plan.cpu_offload else 1.0
     p2p = 4 * tokens * BF16 * a.dim / tp if plan.pp > 1 else 0.0  # send/recv of activations and their grads
     comm = NCCL_BUFFERS_PER_GROUP * n_groups(plan) + p2p

@@ -1,43 +1,34 @@
 """The planner's two inputs besides the model: a parallel `Plan` and the `Cluster` it runs on (GPU type, node
-shape, achievable rates, and which link each process group crosses under paraseek's rank order)."""
+shape, achievable rates, and which link each process group crosses under paraseek's rank order, planner/dims.py)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from paraseek.errors import UserError
 from paraseek.hardware.specs import GPU_SPECS, GPUSpec, gpu_spec, spec_for_device_name
+from paraseek.planner.dims import ParallelDims
 
 AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recompute first
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")  # torch.distributed.pipelining names
+# The pipeline schedules the planner prices (of dims.SCHEDULES: LoopedBFS and InterleavedZeroBubble run, unpriced).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One way to run training. Mesh dims, innermost (fastest-varying rank) first: tp, ep (taken from dp_shard),
-    dp_shard / ep, dp_replicate, pp. world = dp_replicate * dp_shard * tp * pp."""
+class Plan(ParallelDims):
+    """One way to run training: the degrees (ParallelDims: mesh order, strides and the engine's rules are defined
+    there) and how each rank holds its memory."""
 
-    dp_replicate: int = 1  # HSDP/DDP replicas: gradients all-reduced across them
-    dp_shard: int = 1  # FSDP2 (ZeRO-3) sharding degree of params, grads and optimizer states
-    tp: int = 1  # tensor parallel with sequence parallel
-    pp: int = 1
-    pp_schedule: str = "none"  # "none" when pp == 1, else one of PP_SCHEDULES
-    pp_virtual_stages: int = 1  # model chunks per pp rank (Interleaved1F1B: 2+, ZBVZeroBubble: 2)
-    ep: int = 1  # expert parallel: routed experts split over ep ranks of dp_shard
     micro_batch_size: int = 1  # sequences per micro-batch per dp rank
     activation_checkpointing: str = "none"  # none | selective | full
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW states in host memory
     reshard_after_forward: bool = True  # False = ZeRO-2-like (params stay gathered between forward and backward)
 
     @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+    def dims(self) -> ParallelDims:
+        return ParallelDims(**{f.name: getattr(self, f.name) for f in fields(ParallelDims)})
 
     def n_microbatches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.dp * self.micro_batch_size)
@@ -47,6 +38,24 @@ class Plan:
 
     def replace(self, **changes) -> Plan:
         return replace(self, **changes)
+
+    def flags(self) -> list[str]:
+        """This plan as `paraseek train` flags (what differs from their defaults, plus the dp degrees, the
+        micro-batch and the checkpointing mode), one "--flag value" string each."""
+        out = [f"--micro-batch-size {self.micro_batch_size}", f"--dp-replicate {self.dp_replicate}",
+               f"--dp-shard {self.dp_shard}"]
+        out += [f"--tp {self.tp}"] if self.tp > 1 else []
+        out += ["--sequence-parallel false"] if self.tp > 1 and not self.sequence_parallel else []
+        if self.pp > 1:
+            out += [f"--pp {self.pp}", f"--pp-schedule {self.pp_schedule}"]
+            out += [f"--pp-virtual-stages {self.pp_virtual_stages}"] if self.pp_virtual_stages > 1 else []
+        out += [f"--ep {self.ep}"] if self.ep > 1 else []
+        out += [f"--activation-checkpointing {self.activation_checkpointing}"]
+        out += ["--cpu-offload"] if self.cpu_offload else []
+        # Pipelining keeps parameters gathered anyway, and DDP has nothing to reshard.
+        if self.pp == 1 and self.dp_shard > 1 and not self.reshard_after_forward:
+            out.append("--reshard-after-forward false")
+        return out
 
 
 # Achievable fractions, per GPU generation. `matmul` is the large-GEMM ceiling as a fraction of the datasheet peak
@@ -123,7 +132,9 @@ class Cluster:
 
 
 def _intra_busbw(spec: GPUSpec, eff: Efficiency) -> float:
-    # Without NVLink, collectives go through PCIe (and often the host bridge): about half the link rate.
+    # Without NVLink, collectives go through PCIe and often the CPU's root complex (P2P through the host, or NCCL's
+    # shared-memory transport): half the link rate is an estimate, which a doctor profile's measured
+    # intra_node_busbw_gbps replaces.
     return spec.nvlink_gbps * eff.busbw if spec.nvlink_gbps else spec.pcie_gbps * 0.5
 
 
@@ -146,6 +157,8 @@ def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
     return Cluster(
         gpu=spec, n_gpus=n_gpus, gpus_per_node=min(gpn, n_gpus),
         matmul_tflops=(spec.bf16_tflops if spec.has_bf16 else spec.fp16_tflops) * eff.matmul,
+        # Across nodes NCCL's ring busbw is taken as 80% of the NIC line rate (protocol, PCIe and proxy overheads):
+        # an estimate, which a doctor profile's measured inter_node_busbw_gbps replaces.
         intra_busbw_gbps=_intra_busbw(spec, eff), inter_busbw_gbps=nic * 0.8, hbm_gbps=spec.hbm_gbps * eff.hbm,
         eff=eff,
         memory_gib=spec.memory_gib, host_memory_gib=spec.host_memory_gib,

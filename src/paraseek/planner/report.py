@@ -18,21 +18,8 @@ def train_command(model: str, c: Cluster, plan: Plan, seq_len: int, global_batch
     if c.nodes > 1:  # the same command on every node, with its --node-rank
         argv += ["--nnodes", str(c.nodes), "--node-rank", "RANK", "--rdzv-endpoint", "NODE0_HOST:29500"]
     argv += ["--nproc", str(min(c.gpus_per_node, c.n_gpus)), "--seq-len", str(seq_len),
-             "--global-batch-size", str(global_batch_size), "--micro-batch-size", str(plan.micro_batch_size),
-             "--dp-replicate", str(plan.dp_replicate), "--dp-shard", str(plan.dp_shard)]
-    if plan.tp > 1:
-        argv += ["--tp", str(plan.tp)]
-    if plan.pp > 1:
-        argv += ["--pp", str(plan.pp), "--pp-schedule", plan.pp_schedule]
-        if plan.pp_virtual_stages > 1:
-            argv += ["--pp-virtual-stages", str(plan.pp_virtual_stages)]
-    if plan.ep > 1:
-        argv += ["--ep", str(plan.ep)]
-    argv += ["--activation-checkpointing", plan.activation_checkpointing]
-    if plan.cpu_offload:
-        argv.append("--cpu-offload")
-    if plan.pp == 1 and plan.dp_shard > 1 and not plan.reshard_after_forward:
-        argv += ["--reshard-after-forward", "false"]
+             "--global-batch-size", str(global_batch_size)]
+    argv += [word for flag in plan.flags() for word in flag.split()]
     return shlex.join(argv)
 
 

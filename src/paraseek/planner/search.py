@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs
 from paraseek.planner.cost import StepTime, step_time
-from paraseek.planner.memory import GiB, Memory, is_ddp, memory, model_terms
+from paraseek.planner.dims import ParallelDims
+from paraseek.planner.memory import GiB, Memory, memory, model_terms
 from paraseek.planner.plan import AC_MODES, Cluster, Plan
 
 HOST_USABLE = 0.9  # of host memory, for offloaded states (the OS, data loaders and pinned buffers need the rest)
@@ -77,25 +78,13 @@ def divisors(n: int) -> list[int]:
 
 
 def _schedules(a: ModelArgs, pp: int, engine_only: bool = False) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) the planner prices for pp ranks; ParallelDims.problem then says which run."""
     if pp == 1:
         return [("none", 1)]
-    out = [("GPipe", 1), ("1F1B", 1)]
-    out += [("Interleaved1F1B", v) for v in (2, 4) if pp * v <= a.n_layers]
+    out = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4)]
     # ZBVZeroBubble runs in the engine (CPU loss-equivalence tests) but has not been measured on GPUs yet: --plan
     # auto does not pick it.
-    if 2 * pp <= a.n_layers and not engine_only:
-        out.append(("ZBVZeroBubble", 2))
-    return out
-
-
-def _schedule_ok(schedule: str, pp: int, m: int) -> bool:
-    # torch.distributed.pipelining: 1F1B-style schedules need at least pp micro-batches; Interleaved1F1B a
-    # multiple of pp.
-    if schedule in ("none", "GPipe"):
-        return True
-    if schedule == "Interleaved1F1B":
-        return m >= pp and m % pp == 0
-    return m >= pp
+    return out if engine_only else out + [("ZBVZeroBubble", 2)]
 
 
 def evaluate(args: ModelArgs, c: Cluster, plan: Plan, seq_len: int, global_batch_size: int,
@@ -129,9 +118,10 @@ def _mesh(plan: Plan) -> dict:
 
 
 def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: int,
-                  offload_ok: bool = True, engine_only: bool = False) -> tuple[Evaluated | None, Evaluated | None, int]:
-    """(fastest fitting variant, closest non-fitting variant, variants priced) of one mesh. The closest miss's
-    reason also says why the same mesh fails without offload, when offload was the closest."""
+                  engine_only: bool = False) -> tuple[Evaluated | None, Evaluated | None, int, str]:
+    """(fastest fitting variant, closest non-fitting variant, variants priced, why no variant runs) of one mesh.
+    Each variant is first held against the engine's rules (ParallelDims.problem); the closest miss's reason also
+    says why the same mesh fails without offload, when offload was the closest."""
     local = gbs // base.dp
     mbs_options = [d for d in divisors(local) if d <= MAX_MICRO_BATCH]
     if base.pp > 1:
@@ -142,18 +132,23 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
         reshard_options = [True]  # DDP: nothing to reshard
     best = None
     closest: dict[bool, Evaluated] = {}
-    n = 0
-    for offload in (False, True) if offload_ok and not is_ddp(base) else (False,):  # FSDP2 offloads, DDP can't
+    n, why_not = 0, ""
+    for offload in (False, True):
         for schedule, v in _schedules(args, base.pp, engine_only):
+            variant = base.replace(pp_schedule=schedule, pp_virtual_stages=v, cpu_offload=offload)
+            if why := variant.problem(args, seq_len, cpu_offload=offload, engine=engine_only):
+                why_not = why_not or why
+                continue
             for mbs in mbs_options:
                 m = local // mbs
-                if not _schedule_ok(schedule, base.pp, m):
+                if why := variant.batch_problem(m):
+                    why_not = why_not or why
                     continue
                 fits_any = False
                 for reshard in reshard_options:
                     for ac in AC_MODES:
-                        plan = Plan(base.dp_replicate, base.dp_shard, base.tp, base.pp, schedule, v, base.ep, mbs,
-                                    ac, offload, reshard)
+                        plan = variant.replace(micro_batch_size=mbs, activation_checkpointing=ac,
+                                               reshard_after_forward=reshard)
                         ev = evaluate(args, c, plan, seq_len, gbs)
                         n += 1
                         if not ev.reason:
@@ -170,23 +165,18 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
     if best is not None and best.plan.cpu_offload and False in closest:
         best.note = f"CPU offload: without it the closest plan {closest[False].reason}"
     if not closest:
-        return best, None, n
+        return best, None, n, why_not
     miss = min(closest.values(), key=lambda e: e.overflow)
     if miss.plan.cpu_offload and False in closest:
         miss.reason = f"{closest[False].reason}; with CPU offload: {miss.reason}"
-    return best, miss, n
-
-
-# The dimensions `paraseek train` runs today (tp and ep not together yet; tp with FSDP2 only, without CPU offload).
-# Pipeline parallelism is modelled here already; plans that use it are predictions only until the engine has it
-# (the model-parallelism issue).
-ENGINE_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "pp", "ep"})
+    return best, miss, n, why_not
 
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
            engine_only: bool = False) -> SearchResult:
-    """Every mesh of c.n_gpus GPUs, its best variant, ranked by predicted tokens/s per GPU. engine_only keeps
-    the meshes `paraseek train` can run now (ENGINE_DIMS); the others are rejected with that reason."""
+    """Every mesh of c.n_gpus GPUs, its best variant, ranked by predicted tokens/s per GPU. engine_only ranks only
+    what `paraseek train` runs (ParallelDims.problem with the engine's rules, the same check the CLI makes before a
+    launch); without it the planner also prices the compositions the engine does not run, and ZBVZeroBubble."""
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
     if global_batch_size <= 0:
@@ -208,9 +198,8 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
         if tp > G:
             reject(f"tp {tp} > {G} GPUs per node: TP's per-layer collectives would cross nodes", tp=tp)
             continue
-        if args.n_heads % tp or (not args.is_mla and args.n_kv_heads % tp):
-            heads = args.n_heads if args.is_mla else min(args.n_heads, args.n_kv_heads)
-            reject(f"tp {tp} does not divide the {heads} (kv) attention heads", tp=tp)
+        if why := ParallelDims(tp=tp).problem(args, seq_len):  # heads, widths, vocabulary: the same for every mesh
+            reject(why, tp=tp)
             continue
         for pp in divisors(N // tp):
             if pp > args.n_layers:
@@ -224,27 +213,15 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 eps = [e for e in divisors(dp_shard) if args.n_routed_experts % e == 0] if moe else [1]
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
-                    unrunnable = [d for d, n in (("tp", tp), ("pp", pp), ("ep", ep)) if n > 1 and d not in ENGINE_DIMS]
-                    if tp > 1 and is_ddp(base):
-                        unrunnable.append("tp x DDP")  # the engine composes tp with FSDP2 (--dp-shard) only
-                    if pp > 1 and is_ddp(base):
-                        unrunnable.append("pp x DDP")  # pipelined stages run FSDP2/HSDP, never DDP
-                    if pp > 1 and args.tie_embeddings:
-                        unrunnable.append("pp with tied embeddings")
-                    if engine_only and unrunnable:
-                        reject(f"{'/'.join(unrunnable)} not in paraseek train yet (see all plans with --all-dims)",
-                               **_mesh(base))
-                        continue
-                    # the engine has no CPU offload with tp or pp
-                    best, closest, n = _best_of_mesh(args, c, base, seq_len, global_batch_size,
-                                                     offload_ok=not (engine_only and (tp > 1 or pp > 1)),
-                                                     engine_only=engine_only)
+                    best, closest, n, why_not = _best_of_mesh(args, c, base, seq_len, global_batch_size, engine_only)
                     res.evaluated += n
                     if best is not None:
                         res.plans.append(best)
                     elif closest is not None:
                         res.rejected.append(Rejected(closest.plan, _mesh(base), closest.reason, closest.memory,
                                                      closest.overflow))
+                    elif why_not:
+                        reject(why_not, **_mesh(base))
     res.plans.sort(key=lambda e: -e.tokens_per_s_per_gpu)
     # Closest to fitting first; structural reasons last.
     res.rejected.sort(key=lambda r: r.overflow)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from paraseek.errors import UserError
+from paraseek.planner.dims import ParallelDims, default_virtual_stages
 
 
 @dataclass
@@ -72,16 +73,35 @@ class TrainConfig:
         return self.nproc * self.nnodes
 
     @property
-    def n_stages(self) -> int:
-        return self.pp * self.pp_virtual_stages
-
-    @property
-    def dp_size(self) -> int:  # data-parallel ranks (tp ranks of one dp rank share its batch)
-        return self.dp_replicate * self.dp_shard
+    def dims(self) -> ParallelDims:
+        """The flags' degrees as the one ParallelDims (the schedule and virtual stages mean something with pp > 1)."""
+        pipelined = self.pp > 1
+        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, pp=self.pp, ep=self.ep,
+                            pp_schedule=self.pp_schedule if pipelined else "none",
+                            pp_virtual_stages=self.pp_virtual_stages if pipelined else 1,
+                            sequence_parallel=self.sequence_parallel)
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.global_batch_size // (self.micro_batch_size * self.dims.dp)
+
+    def to_plan(self):
+        """This run as the planner's Plan (what --plan auto, `paraseek bench`'s prediction and the OOM advice price)."""
+        from paraseek.planner.plan import Plan
+
+        return Plan(**dataclasses.asdict(self.dims), micro_batch_size=self.micro_batch_size,
+                    activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
+                    reshard_after_forward=self.reshard_after_forward)
+
+    def with_plan(self, plan) -> TrainConfig:
+        """This run with a planner Plan's degrees and memory settings (its schedule only when it pipelines)."""
+        dims = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ParallelDims)}
+        if plan.pp == 1:
+            del dims["pp_schedule"], dims["pp_virtual_stages"]
+        return dataclasses.replace(self, **dims, micro_batch_size=plan.micro_batch_size,
+                                   activation_checkpointing=plan.activation_checkpointing,
+                                   cpu_offload=plan.cpu_offload, reshard_after_forward=plan.reshard_after_forward)
 
 
 _CHOICES = {
@@ -181,8 +201,6 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
     if cfg.dp_shard == -1 and other > 0 and cfg.world_size % other == 0:
         cfg.dp_shard = cfg.world_size // other
     if cfg.pp_virtual_stages == 0:
-        from paraseek.parallel.pipeline import default_virtual_stages
-
         cfg.pp_virtual_stages = default_virtual_stages(cfg.pp_schedule)
     return cfg
 
@@ -193,40 +211,37 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
         raise UserError("--device cuda: no CUDA device is visible (use --device cpu, or check the driver)")
     if cfg.device == "cuda" and cfg.nproc > gpu_count:
         raise UserError(f"--nproc {cfg.nproc} but this node has {gpu_count} GPU(s)")
-    for name in ("nproc", "nnodes", "steps", "seq_len", "global_batch_size", "micro_batch_size", "dp_replicate", "dp_shard"):
+    for name in ("nproc", "nnodes", "steps", "seq_len", "global_batch_size", "micro_batch_size"):
         if getattr(cfg, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    for name in ("tp", "pp"):
-        if getattr(cfg, name) <= 0:
-            raise UserError(f"--{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.pp * cfg.dp_replicate * cfg.dp_shard * cfg.tp != cfg.world_size:
+    if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
+        raise UserError(f"--init-from {cfg.init_from}: not an HF folder (no config.json)")
+    from paraseek.models.args import resolve_model
+
+    args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    dims = cfg.dims
+    options = dict(cpu_offload=cfg.cpu_offload, compile=cfg.compile, precision=cfg.precision)
+    dims.check(args, cfg.seq_len, **options)  # the plan's one rule set (planner/dims.py), the planner's too
+    if dims.world != cfg.world_size:
         raise UserError(
             f"{f'--pp {cfg.pp} x ' if cfg.pp > 1 else ''}--dp-replicate {cfg.dp_replicate} x --dp-shard "
-            f"{cfg.dp_shard} x --tp {cfg.tp} = {cfg.pp * cfg.dp_replicate * cfg.dp_shard * cfg.tp}, but the world "
-            f"size is {cfg.world_size} ({cfg.nnodes} node(s) x {cfg.nproc} processes)"
+            f"{cfg.dp_shard} x --tp {cfg.tp} = {dims.world}, but the world size is {cfg.world_size} "
+            f"({cfg.nnodes} node(s) x {cfg.nproc} processes)"
         )
+    per_step = cfg.micro_batch_size * dims.dp
+    if cfg.global_batch_size % per_step:
+        raise UserError(
+            f"--global-batch-size {cfg.global_batch_size} is not divisible by micro-batch {cfg.micro_batch_size} x "
+            f"data-parallel size {dims.dp} = {per_step}"
+        )
+    dims.check(args, cfg.seq_len, cfg.grad_accum_steps, **options)  # and the pipeline's micro-batch rule
     if cfg.loss_chunks < 0:
         raise UserError(f"--loss-chunks must be >= 0, got {cfg.loss_chunks}")
     if cfg.loss_chunks and (cfg.tp > 1 or cfg.pp > 1):
         raise UserError("--loss-chunks works without --tp and --pp (TP's loss is vocab-parallel already; under "
                         "pipelining the last stage's schedule computes the loss)")
-    if cfg.pp > 1:
-        for flag, bad in (("--cpu-offload", cfg.cpu_offload), ("--grad-compression", cfg.grad_compression != "none")):
-            if bad:
-                raise UserError(f"--pp with {flag} is not supported yet")
-    if cfg.tp > 1 and cfg.dp_shard == 1 and cfg.dp_replicate > 1:
-        raise UserError("--tp composes with FSDP2 (--dp-shard), not with DDP; use --dp-shard instead of --dp-replicate")
-    if cfg.tp > 1 and cfg.cpu_offload:
-        raise UserError("--tp with --cpu-offload is not supported yet")
-    per_step = cfg.micro_batch_size * cfg.dp_size
-    if cfg.global_batch_size % per_step:
-        raise UserError(
-            f"--global-batch-size {cfg.global_batch_size} is not divisible by micro-batch {cfg.micro_batch_size} x "
-            f"data-parallel size {cfg.dp_size} = {per_step}"
-        )
-    if cfg.ep <= 0 or cfg.dp_shard % cfg.ep:
-        raise UserError(f"--ep {cfg.ep} must divide --dp-shard {cfg.dp_shard} (expert parallelism borrows "
-                        "data-parallel ranks)")
+    if cfg.pp > 1 and cfg.grad_compression != "none":
+        raise UserError("--pp with --grad-compression is not supported yet")
     if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if cfg.grad_compression != "none":
@@ -236,16 +251,12 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
             raise UserError("--grad-compression needs DDP (--dp-shard 1); FSDP2 reduce-scatters uncompressed")
     if cfg.cpu_offload and cfg.device != "cuda":
         raise UserError("--cpu-offload moves GPU state to host memory; on --device cpu there is nothing to offload")
-    if cfg.cpu_offload and cfg.dp_shard == 1 and cfg.dp_replicate > 1:
-        raise UserError("--cpu-offload needs FSDP2 (--dp-shard > 1 or a single process), not DDP")
     if cfg.precision == "fp16" and cfg.device == "cpu":
         raise UserError("--precision fp16 is for GPUs without bf16; on CPU use fp32 or bf16")
     if cfg.resume and not cfg.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir")
     if cfg.data != "synthetic" and not Path(cfg.data).exists():
         raise UserError(f"--data {cfg.data}: no such file or folder")
-    if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
-        raise UserError(f"--init-from {cfg.init_from}: not an HF folder (no config.json)")
     from paraseek.monitor.faults import check_faults, parse_faults
     from paraseek.monitor.profile import parse_profile_steps
 

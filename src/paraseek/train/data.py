@@ -9,8 +9,8 @@ So the union over ranks of a step is the same for every dp size, and one process
 sees the same sequences in the same order. Synthetic data has no epochs: sequence i is drawn from a generator seeded
 by (seed, i).
 
-Shape legend: m micro-batch size, L sequence length (seq_len), W = L + 1 tokens in a window (inputs [:-1], labels
-[1:]), R = B / dp sequences of one rank in one step.
+Shapes (models/deepseek.py's letters): a window is W = T + 1 tokens (inputs [:-1], labels [1:]); one rank reads B =
+global batch / dp of them per step, in micro-batches of m.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from paraseek.errors import UserError
+from paraseek.seeding import derive_seed
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_CORPUS = ASSETS / "corpus"  # public-domain English text, see its SOURCE.md
@@ -36,12 +37,6 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 EOS_NAMES = ("<|eos|>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 CACHE_VERSION = 1  # bump when the cached stream's meaning changes, so old caches are not reused
 PROGRESS_MIN_BYTES = 4 << 20  # below this tokenizing takes about a second: no progress bar
-
-
-def _seed(*parts: object) -> int:
-    """A 63-bit generator seed from any tuple: (seed, epoch) and (seed, index) never collide as seed + i would."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class Dataset:
@@ -59,9 +54,9 @@ class Dataset:
         return None if self.tokens is None else len(self.tokens)
 
     def sequence(self, index: int) -> torch.Tensor:
-        """Window `index` as int64 [L + 1]."""
+        """Window `index` as int64 [W] (W = T + 1: seq_len + 1 tokens)."""
         if self.tokens is None:
-            g = torch.Generator().manual_seed(_seed(self.seed, "synthetic", index))
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "synthetic", index))
             return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
         if not 0 <= index < self.num_sequences:
             raise IndexError(f"sequence {index} of {self.num_sequences}")
@@ -297,19 +292,20 @@ class DataLoader:
             return position
         epoch = position // n
         if epoch not in self._perms:
-            g = torch.Generator().manual_seed(_seed(getattr(self.dataset, "seed", 0), "epoch", epoch))
+            g = torch.Generator().manual_seed(derive_seed(getattr(self.dataset, "seed", 0), "epoch", epoch))
             self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}  # keep only the previous one
             self._perms[epoch] = torch.randperm(n, generator=g)
         return int(self._perms[epoch][position % n])
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """[(inputs [m, L], labels [m, L])] * (B / dp / m), for this rank, for one optimizer step."""
+        """[(inputs [m, T], labels [m, T])] * (B / m): this rank's B = global batch / dp sequences of one optimizer
+        step."""
         per_rank = self.global_batch_size // self.dp_size
         start = self.position + self.dp_rank * per_rank
-        seqs_RW = torch.stack([self.dataset.sequence(self._index(p)) for p in range(start, start + per_rank)])
+        seqs_BW = torch.stack([self.dataset.sequence(self._index(p)) for p in range(start, start + per_rank)])
         self.position += self.global_batch_size
         m = self.micro_batch_size
-        return [(seqs_RW[i:i + m, :-1].contiguous(), seqs_RW[i:i + m, 1:].contiguous())
+        return [(seqs_BW[i:i + m, :-1].contiguous(), seqs_BW[i:i + m, 1:].contiguous())
                 for i in range(0, per_rank, m)]
 
     def state_dict(self) -> dict:

@@ -1,6 +1,6 @@
 """`paraseek train`: validate in the parent, then re-launch through torch's own launcher (torch.distributed.run)
-with N processes per node; the workers read the resolved config from the environment, so every rank runs
-exactly the same configuration."""
+with N processes per node, each running train/worker.py, which reads the resolved config from the environment (so
+every rank runs exactly the same configuration, and no worker parses arguments again)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ import sys
 
 from paraseek.errors import UserError
 from paraseek.train.config import TrainConfig, from_namespace, resolve_defaults, validate
-
-_ENV = "PARASEEK_TRAIN_CONFIG"
+from paraseek.train.worker import CONFIG_ENV
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    if _ENV in os.environ:  # a worker started by the launcher below
-        cfg = TrainConfig(**json.loads(os.environ[_ENV]))
-        return _run_worker(cfg)
     import torch
 
     cfg = from_namespace(ns)
@@ -35,7 +31,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
             if os.environ.get("RANK", "0") == "0":
                 print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
             return 2
-        return _run_worker(cfg)
+        from paraseek.train.worker import run
+
+        run(cfg)  # does not return: the worker exits with the run's code
     cfg, _ = prepare(cfg)
     return launch(cfg)
 
@@ -51,7 +49,7 @@ def prepare(cfg: TrainConfig, with_prediction: bool = False) -> tuple[TrainConfi
     if cfg.plan == "auto":
         cfg = apply_auto_plan(cfg)
     validate(cfg, cuda, gpus)
-    _check_model_and_data(cfg)
+    _check_data(cfg)
     return cfg, (_predict(cfg) if with_prediction and cuda else None)
 
 
@@ -60,7 +58,7 @@ def _predict(cfg: TrainConfig) -> dict | None:
 
     from paraseek.hardware.specs import spec_for_device_name
     from paraseek.models import resolve_model
-    from paraseek.planner import Plan, evaluate, make_cluster
+    from paraseek.planner import evaluate, make_cluster
     from paraseek.planner.plan import PP_SCHEDULES
 
     spec = spec_for_device_name(torch.cuda.get_device_name(0))
@@ -69,11 +67,7 @@ def _predict(cfg: TrainConfig) -> dict | None:
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
     if cfg.pp > 1 and cfg.pp_schedule not in PP_SCHEDULES:
         return None  # a schedule the planner does not price
-    pp_kw = dict(pp=cfg.pp, pp_schedule=cfg.pp_schedule, pp_virtual_stages=cfg.pp_virtual_stages) if cfg.pp > 1 else {}
-    plan = Plan(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, tp=cfg.tp, ep=cfg.ep, **pp_kw,
-                micro_batch_size=cfg.micro_batch_size, activation_checkpointing=cfg.activation_checkpointing,
-                cpu_offload=cfg.cpu_offload, reshard_after_forward=cfg.reshard_after_forward)
-    return prediction(evaluate(args, make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc), plan,
+    return prediction(evaluate(args, make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc), cfg.to_plan(),
                                cfg.seq_len, cfg.global_batch_size))
 
 
@@ -107,12 +101,7 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
         cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
     best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size)
     p = best.plan
-    pp_kw = dict(pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages) if p.pp > 1 else {}
-    cfg = dataclasses.replace(
-        cfg, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, tp=p.tp, pp=p.pp, ep=p.ep, **pp_kw,
-        micro_batch_size=p.micro_batch_size, activation_checkpointing=p.activation_checkpointing,
-        cpu_offload=p.cpu_offload, reshard_after_forward=p.reshard_after_forward,
-    )
+    cfg = cfg.with_plan(p)
     degrees = "".join(f" {k}={v}" for k, v in (("tp", p.tp), ("ep", p.ep)) if v > 1)
     degrees += f" pp={p.pp} {p.pp_schedule} x{p.pp_virtual_stages}" if p.pp > 1 else ""
     print(f"plan auto: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard}{degrees} micro-batch {p.micro_batch_size} "
@@ -123,25 +112,14 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def _check_model_and_data(cfg: TrainConfig) -> None:
-    """Resolve the model and open the data in the parent: those mistakes cost one line and no processes, and a
-    corpus is tokenized once here (with a progress bar) into the cache the workers then read."""
+def _check_data(cfg: TrainConfig) -> None:
+    """Open the data in the parent: a mistake costs one line and no processes, and a corpus is tokenized once here
+    (with a progress bar) into the cache the workers then read. (validate has checked the model and the plan.)"""
     from paraseek.models import resolve_model
     from paraseek.train.data import open_dataset
 
-    args, _, _ = resolve_model(cfg.init_from or cfg.model)
-    if cfg.tp > 1:
-        from paraseek.parallel.tensor import check_tensor_parallel
-
-        check_tensor_parallel(args, cfg.tp)
-    if cfg.pp > 1:
-        from paraseek.parallel.pipeline import check_pipeline
-
-        check_pipeline(args, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule, cfg.grad_accum_steps,
-                       compile=cfg.compile, precision=cfg.precision)
-    if cfg.ep > 1 and (not args.n_routed_experts or args.n_routed_experts % cfg.ep):
-        raise UserError(f"--ep {cfg.ep}: the model has {args.n_routed_experts} routed experts; ep must divide them")
     if cfg.data != "synthetic":
+        args, _, _ = resolve_model(cfg.init_from or cfg.model)
         open_dataset(cfg.data, seq_len=cfg.seq_len, vocab_size=args.vocab_size, tokenizer=cfg.tokenizer or None,
                      seed=cfg.seed)
 
@@ -165,8 +143,8 @@ def launch(cfg: TrainConfig) -> int:
     else:
         argv += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
-    argv += ["-m", "paraseek", "train"]
-    os.environ[_ENV] = json.dumps(dataclasses.asdict(cfg))
+    argv += ["-m", "paraseek.train.worker"]
+    os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     from paraseek.monitor.progress import flight_recorder_env
@@ -205,31 +183,16 @@ def launch(cfg: TrainConfig) -> int:
         return 130
 
 
-def _run_worker(cfg: TrainConfig) -> int:
-    from paraseek.train.loop import train
-
-    try:
-        rc = train(cfg)
-    except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
-        rc = 2
-    # Leave without the interpreter's teardown: on CPU, gloo's threads occasionally abort the process while
-    # static objects are destroyed ("terminate called without an active exception", exit -6) after all work and
-    # output is done. Everything we write is closed by now; flush what is buffered and exit with our code.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     from paraseek.train.config import add_arguments
 
     p = subparsers.add_parser(
-        "train", help="train a model on torch.distributed (FSDP2 / HSDP / DDP), one node or many",
+        "train", help="train a model on torch.distributed (FSDP2 / HSDP / DDP, TP, PP, EP), one node or many",
         description="Train a preset or HF model with data parallelism (FSDP2 per block, HSDP, or DDP with gradient "
-        "compression), checkpoints (torch DCP, resumable under another layout), HF import/export and per-step "
-        "metrics. Re-launches itself through torch.distributed.run with --nproc processes.",
+        "compression), tensor + sequence parallelism (--tp), pipeline stages cut by cost (--pp, torch's schedules), "
+        "expert parallelism (--ep), or the planner's fastest plan (--plan auto); checkpoints (torch DCP, resumable "
+        "under another layout), HF import/export and per-step metrics. The plan is checked before anything starts, "
+        "then the command re-launches itself through torch.distributed.run with --nproc processes.",
     )
     add_arguments(p)
     p.set_defaults(func=cmd_train)

@@ -1,0 +1,93 @@
+"""This rank's model, in the order no rank ever holds the whole model: build on the meta device (only this rank's
+pipeline stages) -> parallelize (parallel/parallelize.py) -> materialize -> initialize (the same weights under every
+plan, models/init.py) or load an HF folder -> (DDP); then `resume` puts a checkpoint's model, optimizer and data
+position in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paraseek.models import resolve_model
+from paraseek.models.args import ModelArgs
+from paraseek.models.deepseek import Transformer
+from paraseek.models.hf import load_state_into
+from paraseek.parallel.mesh import ParallelMesh
+from paraseek.parallel.parallelize import apply_ddp, parallelize
+from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
+from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint
+from paraseek.train.config import TrainConfig
+from paraseek.train.data import DataLoader
+
+
+@dataclass
+class Model:
+    """This rank's part of the model and what parallelizing it returned."""
+
+    args: ModelArgs
+    parts: list[Transformer]  # this rank's pipeline stages, in model order (the whole model without pp)
+    stage_ids: list[int]
+    specs: list[StageSpec] | None  # every stage's layers and cost (pp > 1)
+    inner: Transformer  # the model as named parameters (checkpoints, telemetry): one view over the stages
+    model: nn.Module  # what runs forward without pp: inner, or DDP around it
+    tp_partial: list[nn.Module]  # modules whose parameters' gradients are partial over tp (reduce_tp_grads)
+    seq_shards: int  # hidden states between stages hold T / seq_shards positions
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
+    torch.manual_seed(cfg.seed)  # torch's global generator, for whatever draws from it (nothing in the model does)
+    args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    dims = mesh.dims
+    specs, stage_ids = None, [0]
+    if dims.pp > 1:
+        specs = stage_specs(args, cfg.seq_len, dims.n_stages)
+        stage_ids = rank_stages(mesh.pp_rank, dims.pp, dims.pp_virtual_stages, dims.pp_schedule)
+        parts = [build_stage(args, specs[sid]) for sid in stage_ids]
+    else:
+        with torch.device("meta"):
+            parts = [Transformer(args)]
+    tp_partial, seq_shards = [], 1
+    for sid, part in zip(stage_ids, parts):
+        # V3's MTP modules are kept (checkpoints, export) but not trained yet: frozen, so the optimizer holds no
+        # state for them and a checkpoint resumes under any plan.
+        part.mtp.requires_grad_(False)
+        done = parallelize(part, mesh, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                           compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward,
+                           cpu_offload=cfg.cpu_offload)
+        tp_partial += done.tp_partial
+        seq_shards = done.seq_shards
+        part.to_empty(device="cpu" if cfg.cpu_offload else device)
+        if cfg.init_from:
+            load_state_into(part, cfg.init_from, stage=dims.pp > 1)
+            part.init_buffers(device)
+        else:  # every tensor from its own (seed, name) generator: each layout starts from one process's weights
+            part.init_weights(device=device, seed=cfg.seed)
+    inner = parts[0] if dims.pp == 1 else whole_model_view(args, parts)
+    model = apply_ddp(inner, mesh, device, cfg.grad_compression) if dims.ddp else inner
+    return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards)
+
+
+def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimizer, loader: DataLoader,
+           is_main: bool) -> int:
+    """The newest checkpoint's model, optimizer and data position (--resume); returns the step it was taken at."""
+    start_step = 0
+    if cfg.resume:
+        path = latest_checkpoint(cfg.checkpoint_dir)
+        if path is None:
+            if is_main:
+                print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from step 0", flush=True)
+        else:
+            state = load_checkpoint(path, inner, optimizer)
+            start_step = state["step"]
+            loader.load_state_dict(state["data"])
+            if is_main:
+                print(f"resumed from {path} at step {start_step}", flush=True)
+    if start_step == 0:
+        loader.load_state_dict({"position": 0})
+    return start_step
