@@ -212,10 +212,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
-        h_MF = F.silu(grouped_mm(x_MD, self.gate_proj, counts_E, use_grouped)) * grouped_mm(
-            x_MD, self.up_proj, counts_E, use_grouped
+        h_MF = F.silu(self.project("gate_proj", x_MD, counts_E, use_grouped)) * self.project(
+            "up_proj", x_MD, counts_E, use_grouped
         )
-        return grouped_mm(h_MF, self.down_proj, counts_E, use_grouped)
+        return self.project("down_proj", h_MF, counts_E, use_grouped)
+
+    def project(self, name: str, x_MI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None) -> torch.Tensor:
+        """x through the stacked projection `name` ([E, O, I]): the one place an expert weight is applied, so that
+        what is applied from outside (expert parallelism's local shards, LoRA's low-rank term) overrides only this."""
+        return grouped_mm(x_MI, getattr(self, name), counts_E, use_grouped)
 
 
 class Gate(nn.Module):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -84,15 +83,17 @@ class ExpertParallelExperts(Experts):
                                       output_size=sum(recv_splits))
         order = torch.argsort((seg % L) * P + seg // L, stable=True)
         x_local = x_recv[order]
-        # 4. The local experts, as `Experts.forward` computes them: one grouped GEMM per projection.
+        # 4. The local experts, as `Experts.forward` computes them: one grouped GEMM per projection (`project`).
         counts_L = recv_PL.sum(0)
-        h = F.silu(grouped_mm(x_local, _local(self.gate_proj), counts_L, use_grouped)) * grouped_mm(
-            x_local, _local(self.up_proj), counts_L, use_grouped)
-        y_local = grouped_mm(h, _local(self.down_proj), counts_L, use_grouped)
+        y_local = Experts.forward(self, x_local, counts_L, use_grouped)
         # 5. Back to (source rank)-major order, then to the ranks the rows came from.
         y_recv = torch.empty_like(y_local)
         y_recv[order] = y_local
         return all_to_all_single_autograd(y_recv, send_splits, recv_splits, group)
+
+
+    def project(self, name: str, x_MI: torch.Tensor, counts_L: torch.Tensor, use_grouped: bool | None) -> torch.Tensor:
+        return grouped_mm(x_MI, _local(getattr(self, name)), counts_L, use_grouped)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
