@@ -130,17 +130,19 @@ class _Files:
 def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] | None = None,
                     stage: bool = False) -> None:
     """Stream an HF folder's tensors into `model`'s (allocated) parameters, one tensor at a time. `stage`: the
-    model is a pipeline stage holding part of the layers; the folder's other tensors are skipped."""
+    model is a pipeline stage holding part of the layers; the folder's other tensors are skipped. Tensors the
+    architecture does not define (adapters added from outside) are left as they are."""
     folder = Path(folder)
     cfg = cfg if cfg is not None else read_hf_config(folder)
     files = _tensor_files(folder)
     args = model.args
     quant = cfg.get("quantization_config") or {}
     block = tuple(quant.get("weight_block_size", (128, 128)))
-    targets = dict(model.state_dict())
-    if stage:  # the names of the whole model: a tensor outside it still means the wrong folder
-        with torch.device("meta"):
-            whole = set(Transformer(args).state_dict())
+    with torch.device("meta"):  # the names of the whole model: a tensor outside it still means the wrong folder
+        whole = set(Transformer(args).state_dict())
+    # Only the architecture's own tensors come from the folder: what was added from outside (LoRA adapters,
+    # models/lora.py) is initialized or loaded by its owner.
+    targets = {n: t for n, t in model.state_dict().items() if n in whole}
     expected = {(n, e) for n, t in targets.items() for e in (range(t.shape[0]) if ".mlp.experts." in n else [None])}
     filled: set[tuple[str, int | None]] = set()
     opened = _Files()

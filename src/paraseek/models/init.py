@@ -22,10 +22,13 @@ STACKED_EXPERTS = ".mlp.experts."  # [E, out, in] tensors: one draw per expert, 
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, rule, seed: int, device: torch.device | None = None) -> None:
-    """Fill every tensor of model.state_dict() in place: `rule(name) -> (kind, std)` with kind "normal", "ones" or
-    "zeros" says how; the draw for (seed, name[, expert]) is the same whatever part of it this rank holds."""
+def init_weights(model: nn.Module, rule, seed: int, device: torch.device | None = None, select=None) -> None:
+    """Fill every tensor of model.state_dict() in place (those whose name `select(name)` accepts, if given):
+    `rule(name) -> (kind, std)` with kind "normal", "ones" or "zeros" says how; the draw for (seed, name[, expert]) is
+    the same whatever part of it this rank holds."""
     for name, dst in model.state_dict().items():
+        if select is not None and not select(name):
+            continue
         kind, std = rule(name)
         on = device if device is not None else _local(dst).device
         for expert in range(dst.shape[0]) if STACKED_EXPERTS in name else [None]:
