@@ -2,6 +2,8 @@
 part of the plan -- TorchTitan's order, each step before the ones that wrap what it changes:
 
     EP       routed experts sharded over the ep group (expert.py); first, as it replaces each MoE's experts module
+    LoRA     the base frozen (stored in the compute dtype) and adapters added (models/lora.py), sharded over the ep
+             group like the experts they adapt; before FSDP2, which then shards the adapters and their gradients
     TP       tensor + sequence parallelism over the tp group (tensor.py), on the plain blocks
     AC       activation checkpointing of each block (full or selective)
     compile  torch.compile of each block
@@ -24,6 +26,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from paraseek.models.deepseek import Transformer
+from paraseek.models.lora import apply_lora
+from paraseek.models.lora_spec import LoRASpec
 from paraseek.parallel.expert import apply_expert_fsdp, apply_expert_parallel
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.tensor import apply_tensor_parallel
@@ -43,11 +47,14 @@ class Parallelized:
 
 
 def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activation_checkpointing: str = "none",
-                compile: bool = False, reshard_after_forward: bool = True, cpu_offload: bool = False) -> Parallelized:
-    """EP -> TP -> AC -> compile -> FSDP2 on `model` in place (see the module docstring)."""
+                compile: bool = False, reshard_after_forward: bool = True, cpu_offload: bool = False,
+                lora: LoRASpec | None = None) -> Parallelized:
+    """EP -> LoRA -> TP -> AC -> compile -> FSDP2 on `model` in place (see the module docstring)."""
     dims, done = mesh.dims, Parallelized()
     if mesh.ep is not None:
         apply_expert_parallel(model, mesh.ep)
+    if lora is not None:
+        apply_lora(model, lora, base_dtype=DTYPES[precision])
     if mesh.tp is not None:
         done.tp_partial = apply_tensor_parallel(model, mesh.tp, dims.sequence_parallel)
         done.seq_shards = dims.tp if dims.sequence_parallel else 1

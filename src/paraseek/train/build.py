@@ -14,6 +14,8 @@ from paraseek.models import resolve_model
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
+from paraseek.models.lora import init_adapters, is_adapter
+from paraseek.models.lora_spec import LoRASpec, lora_spec
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
@@ -34,6 +36,7 @@ class Model:
     model: nn.Module  # what runs forward without pp: inner, or DDP around it
     tp_partial: list[nn.Module]  # modules whose parameters' gradients are partial over tp (reduce_tp_grads)
     seq_shards: int  # hidden states between stages hold T / seq_shards positions
+    lora: LoRASpec | None = None  # the adapters trained on the frozen model (--lora-rank)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -43,6 +46,7 @@ class Model:
 def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
     torch.manual_seed(cfg.seed)  # torch's global generator, for whatever draws from it (nothing in the model does)
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    lora = lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, args, cfg.init_from or cfg.model)
     dims = mesh.dims
     specs, stage_ids = None, [0]
     if dims.pp > 1:
@@ -59,7 +63,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
         part.mtp.requires_grad_(False)
         done = parallelize(part, mesh, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
                            compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward,
-                           cpu_offload=cfg.cpu_offload)
+                           cpu_offload=cfg.cpu_offload, lora=lora)
         tp_partial += done.tp_partial
         seq_shards = done.seq_shards
         part.to_empty(device="cpu" if cfg.cpu_offload else device)
@@ -68,9 +72,11 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
             part.init_buffers(device)
         else:  # every tensor from its own (seed, name) generator: each layout starts from one process's weights
             part.init_weights(device=device, seed=cfg.seed)
+        if lora is not None:  # the loader leaves the adapters alone
+            init_adapters(part, cfg.seed, device)
     inner = parts[0] if dims.pp == 1 else whole_model_view(args, parts)
     model = apply_ddp(inner, mesh, device, cfg.grad_compression) if dims.ddp else inner
-    return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards)
+    return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards, lora)
 
 
 def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimizer, loader: DataLoader,
@@ -83,7 +89,8 @@ def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimize
             if is_main:
                 print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from step 0", flush=True)
         else:
-            state = load_checkpoint(path, inner, optimizer)
+            # A LoRA checkpoint holds the adapters only; the frozen base came from --init-from (build).
+            state = load_checkpoint(path, inner, optimizer, model_keys=is_adapter if cfg.lora_rank else None)
             start_step = state["step"]
             loader.load_state_dict(state["data"])
             if is_main:

@@ -36,7 +36,9 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any]) -> Path:
+                    trainer_state: dict[str, Any], model_keys=None) -> Path:
+    """`model_keys(name) -> bool`: only those model tensors are saved (a LoRA run's adapters; its frozen base is
+    the --init-from folder the trainer state names)."""
     root = Path(root)
     final, tmp = _step_dir(root, step), root / f"step-{step:06d}.tmp"
     rank = dist.get_rank()
@@ -45,6 +47,8 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
         tmp.mkdir(parents=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if model_keys is not None:
+        model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     # RNG per rank (used by dropout-free models only for data-independent randomness; kept for exactness).
     rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
@@ -62,12 +66,17 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load model + optimizer into the current (possibly different) layout; returns the trainer state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    model_keys=None) -> dict[str, Any]:
+    """Load model + optimizer into the current (possibly different) layout; returns the trainer state.
+    `model_keys`: the model tensors the checkpoint holds (as save_checkpoint was given); the others stay as they are."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if model_keys is not None:
+        model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=model_keys is None))
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rngs = trainer_state.get("rng_states") or []
     rank = dist.get_rank()

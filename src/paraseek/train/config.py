@@ -67,6 +67,10 @@ class TrainConfig:
     comm_timeout: float = 0.0  # seconds a collective may take after the first step; 0 = the backend's default
     inject_fault: str = ""  # nan@STEP | spike@STEP | hang@RANK:STEP | slow@RANK:MS | crash@RANK:STEP, comma-separated
     profile_steps: str = ""  # A:B = torch.profiler traces of steps A..B per rank
+    # LoRA (models/lora_spec.py): adapters trained on the frozen --init-from model; checkpoints hold the adapters.
+    lora_rank: int = 0  # r > 0 turns LoRA on; 0 = off (every parameter is trained)
+    lora_alpha: float = 0.0  # the update is scaled by alpha / r; 0 = r (scaling 1)
+    lora_targets: str = ""  # comma-separated targets or shorthands (attention, mlp, shared_experts, experts); "" = all
 
     @property
     def world_size(self) -> int:
@@ -140,6 +144,11 @@ _HELP = {
     "resume": "continue from the newest checkpoint in --checkpoint-dir",
     "init_from": "start from the weights of this HF folder (loaded shard by shard)",
     "export_hf": "write the trained model as an HF folder transformers loads",
+    "lora_rank": "LoRA rank r > 0: train low-rank adapters on the frozen --init-from model (Hu et al. 2021)",
+    "lora_alpha": "LoRA alpha: adapters scaled by alpha / r (0: alpha = r)",
+    "lora_targets": "what LoRA adapts, comma-separated: attention projections by name (q_proj, k_proj, v_proj, "
+                    "o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), gate_proj/up_proj/down_proj (dense "
+                    "MLPs), shared_experts, experts (routed, grouped), or attention, mlp, all (default: all)",
 }
 
 
@@ -183,6 +192,9 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
     for f in dataclasses.fields(TrainConfig):
         if getattr(ns, f.name, None) is not None:
             values[f.name] = getattr(ns, f.name)
+    if values.get("lora_rank", 1) <= 0:  # given, so meant: 0 would silently train every parameter instead
+        raise UserError(f"--lora-rank must be a positive rank, got {values['lora_rank']} (leave it out to train "
+                        "every parameter)")
     return TrainConfig(**values)
 
 
@@ -265,9 +277,31 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
         parse_profile_steps(cfg.profile_steps)
     if cfg.tokenizer and not Path(cfg.tokenizer).exists():
         raise UserError(f"--tokenizer {cfg.tokenizer}: no such file")
+    check_lora(cfg, args)
 
 
 def _powersgd_rank(text: str) -> int:
     if text.startswith("powersgd:") and text[len("powersgd:"):].isdigit() and int(text[len("powersgd:"):]) > 0:
         return int(text[len("powersgd:"):])
     return 0
+
+
+def check_lora(cfg: TrainConfig, args) -> None:
+    """The LoRA flags against the model and the plan (one line each)."""
+    from paraseek.models.lora_spec import lora_spec
+
+    if not cfg.lora_rank:
+        if cfg.lora_alpha or cfg.lora_targets:
+            raise UserError("--lora-alpha and --lora-targets need --lora-rank R (a positive rank) to turn LoRA on")
+        return
+    if cfg.lora_rank < 0 or cfg.lora_alpha < 0:
+        raise UserError(f"--lora-rank must be positive and --lora-alpha >= 0, got {cfg.lora_rank} and {cfg.lora_alpha}")
+    lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, args, cfg.init_from or cfg.model)  # the targets
+    if not cfg.init_from:
+        raise UserError("--lora-rank trains adapters on a pretrained model: give it with --init-from HF_DIR (the "
+                        "frozen base, which checkpoints name instead of copying)")
+    if cfg.tp > 1 or cfg.pp > 1:
+        raise UserError("--lora-rank with --tp or --pp is not supported yet (LoRA runs with FSDP2/HSDP, DDP and --ep)")
+    if cfg.moe_bias_gamma > 0:
+        raise UserError("--moe-bias-gamma with --lora-rank: the routing-bias update changes the frozen base, which "
+                        "the adapters cannot carry (LoRA runs keep the bias fixed)")

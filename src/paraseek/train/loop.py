@@ -28,6 +28,7 @@ from paraseek.errors import UserError
 from paraseek.hardware.specs import peak_flops
 from paraseek.models import flops_per_token, param_counts, resolve_model
 from paraseek.models.hf import save_hf_state
+from paraseek.models.lora import is_adapter, merge_state
 from paraseek.monitor.faults import FaultInjector
 from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_hosts,
                                      gather_step_times, log_event, nonfinite_report, step_time_stats)
@@ -141,8 +142,11 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     if cfg.export_hf:
         state = full_model_state(m.inner, mesh.stage_leaders)
         if run.is_main:
-            save_hf_state(state, m.args, cfg.export_hf)
-            print(f"exported an HF folder to {Path(cfg.export_hf).resolve()}", flush=True)
+            # An HF folder holds plain weights: LoRA's adapters are merged into them (paraseek export
+            # --export-adapter writes them apart, from a checkpoint).
+            save_hf_state(merge_state(state, m.lora) if m.lora else state, m.args, cfg.export_hf)
+            print(f"exported an HF folder{' (LoRA merged)' if m.lora else ''} to {Path(cfg.export_hf).resolve()}",
+                  flush=True)
         dist.barrier()
     run.logger.close()
     recorder.mark(cfg.steps, "done")
@@ -212,7 +216,8 @@ class Run:
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
             path = save_checkpoint(cfg.checkpoint_dir, step, self.m.inner, optimizer,
-                                   {"data": self.loader.state_dict(), "config": dataclasses.asdict(cfg)})
+                                   {"data": self.loader.state_dict(), "config": dataclasses.asdict(cfg)},
+                                   model_keys=is_adapter if self.m.lora else None)  # LoRA: the adapters only
             if self.is_main:
                 print(f"checkpoint: {path}", flush=True)
 
@@ -282,6 +287,13 @@ class Run:
               f"{pp_text}{' | compile' if cfg.compile else ''}", flush=True)
         if dims.pp > 1:
             print(describe(m.specs, dims.pp, dims.pp_virtual_stages, dims.pp_schedule), flush=True)
+        if m.lora:
+            from paraseek.models.lora_spec import adapter_params
+
+            n = adapter_params(m.args, m.lora)
+            print(f"LoRA: r={m.lora.rank} alpha={m.lora.alpha:g} (scaling {m.lora.scaling:g}) on "
+                  f"{','.join(m.lora.targets)}: {n:,} trainable parameters ({100 * n / counts.total:.2f}% of the "
+                  f"model), the base frozen in {cfg.precision}", flush=True)
 
     def print_summary(self, seconds: float) -> None:
         if not (self.is_main and self.losses):
