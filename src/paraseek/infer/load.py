@@ -11,6 +11,7 @@ from pathlib import Path
 
 from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs, resolve_model
+from paraseek.models.lora_spec import LoRASpec, lora_spec
 
 
 @dataclass
@@ -21,6 +22,9 @@ class ModelSource:
     path: Path | None  # the HF folder, or the checkpoint's step folder
     tokenizer: Path | None  # a folder or tokenizer.json; None: token-id prompts only
     tokenizer_why: str  # where the tokenizer came from, for the first log line
+    # A checkpoint of a LoRA run: its adapters, trained on the frozen base `base` (the run's --init-from folder).
+    lora: LoRASpec | None = None
+    base: Path | None = None
 
 
 def _checkpoint_step(folder: Path) -> Path | None:
@@ -88,7 +92,8 @@ def _from_checkpoint(spec: str, step: Path, tok: Path | None) -> ModelSource:
             tok, why = BUNDLED_TOKENIZER, f"the one it was trained with (the bundled {BUNDLED_TOKENIZER.name})"
         else:
             why = "none (trained on synthetic tokens): token-id prompts only"
-    return ModelSource("checkpoint", spec, args, step, tok, why)
+    lora = lora_spec(cfg.get("lora_rank", 0), cfg.get("lora_alpha", 0.0), cfg.get("lora_targets", ""), args, model_spec)
+    return ModelSource("checkpoint", spec, args, step, tok, why, lora, folder)
 
 
 def load_model(src: ModelSource, *, dtype, device, seed: int = 0):
@@ -108,16 +113,41 @@ def load_model(src: ModelSource, *, dtype, device, seed: int = 0):
     return _load_checkpoint(src, dtype, device)
 
 
-def _load_checkpoint(src: ModelSource, dtype, device):
+def _load_checkpoint(src: ModelSource, dtype, device, merge_lora: bool = True):
+    """The checkpoint's model. A LoRA run's checkpoint holds the adapters only: they are put on its base folder's
+    weights, merged into them (the plain model generate, serve and export run) or, with merge_lora=False, as LoRA
+    modules (models/lora.py), in fp32."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from paraseek.models.deepseek import Transformer, _keep_fp32_buffers
 
-    with torch.device("meta"):
-        model = Transformer(src.args)
-    model.to_empty(device=device)
-    state = {"model": model.state_dict()}
+    if src.lora is not None:
+        from paraseek.models.hf import load_pretrained
+        from paraseek.models.lora import apply_lora, merge_state
+
+        model = load_pretrained(src.base, dtype=torch.float32, device=device)
+        adapters = read_adapters(src, device)
+        if merge_lora:
+            model.load_state_dict(merge_state({**model.state_dict(), **adapters}, src.lora))
+        else:
+            apply_lora(model, src.lora)
+            model.load_state_dict({**model.state_dict(), **adapters})
+    else:
+        with torch.device("meta"):
+            model = Transformer(src.args)
+        model.to_empty(device=device)
+        state = {"model": model.state_dict()}
+        _dcp_load(src, state)
+        model.load_state_dict(state["model"])
+    model.init_buffers(torch.device(device))
+    model.to(dtype)
+    _keep_fp32_buffers(model)
+    return model.eval()
+
+
+def _dcp_load(src: ModelSource, state: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -127,8 +157,19 @@ def _load_checkpoint(src: ModelSource, dtype, device):
             raise
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise UserError(f"{src.path}: cannot load the model from this checkpoint ({first[:200]})") from None
-    model.load_state_dict(state["model"])
-    model.init_buffers(torch.device(device))
-    model.to(dtype)
-    _keep_fp32_buffers(model)
-    return model.eval()
+
+
+def read_adapters(src: ModelSource, device="cpu") -> dict:
+    """A LoRA checkpoint's adapters as whole fp32 tensors by our names (without the base, which is never read)."""
+    import torch
+
+    from paraseek.models.deepseek import Transformer
+    from paraseek.models.lora import apply_lora, is_adapter
+
+    with torch.device("meta"):  # the adapters' names and shapes, from the run's spec
+        model = Transformer(src.args)
+    apply_lora(model, src.lora)
+    adapters = {n: torch.empty(t.shape, dtype=torch.float32, device=device)
+                for n, t in model.state_dict().items() if is_adapter(n)}
+    _dcp_load(src, {"model": adapters})
+    return adapters

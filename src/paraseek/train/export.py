@@ -17,7 +17,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
-                      overwrite: bool = False, log=print) -> Path:
+                      overwrite: bool = False, merge_lora: bool = False, export_adapter: bool = False,
+                      log=print) -> Path:
     import torch
 
     from paraseek.infer.load import _checkpoint_step, _from_checkpoint, _load_checkpoint
@@ -39,6 +40,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
         raise UserError(f"{out} exists and is not empty; choose another folder or add --overwrite")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     src = _from_checkpoint(str(folder), step_dir, None)
+    _check_lora_choice(src, step_dir, merge_lora, export_adapter)
     tok = None
     if src.tokenizer is not None:
         from paraseek.models.tokenizer import load_text_tokenizer
@@ -47,7 +49,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
         if tok.vocab_size > src.args.vocab_size:
             raise UserError(f"the tokenizer {src.tokenizer} has {tok.vocab_size:,} tokens but the model's vocabulary "
                             f"is {src.args.vocab_size:,}: it is not the model's tokenizer")
-    log(f"export: {step_dir} ({src.args.model_type}, {dtype}) -> {out}; tokenizer: {src.tokenizer_why}")
+    if export_adapter:
+        from paraseek.infer.load import read_adapters
+        from paraseek.models.lora import save_peft_adapter
+
+        log(f"export: the LoRA adapters of {step_dir} ({dtype}) -> {out} (PEFT format, on the base {src.base}); "
+            f"tokenizer: {src.tokenizer_why}")
+        save_peft_adapter(read_adapters(src), src.args, src.lora, out, base_model=str(src.base.resolve()),
+                          dtype=torch_dtype)
+        if tok is not None:
+            _write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len)
+        return out
+    merged = " with its LoRA adapters merged" if src.lora else ""
+    log(f"export: {step_dir} ({src.args.model_type}, {dtype}){merged} -> {out}; tokenizer: {src.tokenizer_why}")
     model = _load_checkpoint(src, torch.float32, "cpu").to(torch_dtype)
     save_pretrained(model, out)
     if tok is not None:
@@ -60,6 +74,19 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     else:
         log("export: the run trained on synthetic tokens and has no tokenizer; the folder holds the model only")
     return out
+
+
+def _check_lora_choice(src, step_dir: Path, merge_lora: bool, export_adapter: bool) -> None:
+    """A LoRA checkpoint is written one of two ways, never a silently chosen one; a plain one has no adapters."""
+    if merge_lora and export_adapter:
+        raise UserError("--merge-lora and --export-adapter write different folders: choose one")
+    if src.lora is None and (merge_lora or export_adapter):
+        flag = "--merge-lora" if merge_lora else "--export-adapter"
+        raise UserError(f"{flag}: {step_dir} holds no LoRA adapters (its run had no --lora-rank)")
+    if src.lora is not None and not (merge_lora or export_adapter):
+        raise UserError(f"{step_dir} holds LoRA adapters (r={src.lora.rank} on {','.join(src.lora.targets)}): add "
+                        "--merge-lora for an HF folder with them merged into the weights, or --export-adapter for a "
+                        "PEFT adapter folder")
 
 
 def _write_tokenizer(source: Path, tok, out: Path, max_len: int) -> None:
@@ -87,8 +114,9 @@ def _write_tokenizer(source: Path, tok, out: Path, max_len: int) -> None:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    export_checkpoint(ns.checkpoint, ns.out, step=ns.step, dtype=ns.dtype, overwrite=ns.overwrite)
-    print(f"exported an HF folder to {Path(ns.out).resolve()}")
+    export_checkpoint(ns.checkpoint, ns.out, step=ns.step, dtype=ns.dtype, overwrite=ns.overwrite,
+                      merge_lora=ns.merge_lora, export_adapter=ns.export_adapter)
+    print(f"exported {'a PEFT adapter' if ns.export_adapter else 'an HF'} folder to {Path(ns.out).resolve()}")
     return 0
 
 
@@ -105,4 +133,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="weights' dtype (default bfloat16; training keeps fp32 masters)")
     p.add_argument("--overwrite", action="store_true", help="replace what OUT holds")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run's checkpoint: an HF folder with the adapters merged into the base weights")
+    p.add_argument("--export-adapter", action="store_true",
+                   help="a LoRA run's checkpoint: a PEFT adapter folder (adapter_config.json, adapter_model."
+                   "safetensors) that peft.PeftModel.from_pretrained loads onto the base (the run's --init-from)")
     p.set_defaults(func=cmd_export)
