@@ -24,6 +24,7 @@ import functools
 from dataclasses import dataclass
 
 from paraseek.models.args import ModelArgs
+from paraseek.models.lora_spec import LoRASpec, adapter_params
 from paraseek.models.stats import attention_flops_per_token, param_counts
 from paraseek.planner.plan import Cluster, Plan
 
@@ -340,6 +341,25 @@ def model_state_bytes(args: ModelArgs, plan: Plan, stage: int | None = None, seq
     elems = [_state_elems(s, plan) for s in shares]
     n = elems[stage] if stage is not None else max(elems)
     out = {"params": FP32 * n, "grads": FP32 * n, "optimizer": 2 * FP32 * n}
+    out["total"] = sum(out.values())
+    out["device"] = "cpu" if plan.cpu_offload else "cuda"
+    return out
+
+
+def lora_state_bytes(args: ModelArgs, plan: Plan, spec: LoRASpec, base_bytes: int = BF16, stage: int | None = None,
+                     seq_len: int | None = None) -> dict:
+    """LoRA's model states per rank, the term that replaces model_state_bytes in a LoRA run (models/lora.py): the
+    frozen base stored in the compute dtype (`base_bytes` per parameter) with no gradients and no optimizer states,
+    and the adapters as every trained parameter (fp32 params, grads and two AdamW moments: 16 B/param). Both are
+    sharded as model_state_bytes shards (FSDP2 over dp_shard; routed experts, and their adapters, over ep and then
+    dp_shard / ep). LoRA runs without tp, so nothing is divided by it."""
+    t = model_terms(args, seq_len or args.max_seq_len)
+    shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    r = stage if stage is not None else max(range(len(shares)), key=lambda i: _state_elems(shares[i], plan))
+    base = _state_elems(shares[r], plan)
+    adapters = sum(adapter_params(args, spec, range(i, i + 1)) for i in shares[r].layers) / plan.dp_shard
+    out = {"base_params": base_bytes * base, "params": FP32 * adapters, "grads": FP32 * adapters,
+           "optimizer": 2 * FP32 * adapters}
     out["total"] = sum(out.values())
     out["device"] = "cpu" if plan.cpu_offload else "cuda"
     return out
