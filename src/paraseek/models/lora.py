@@ -56,8 +56,11 @@ class _LoRAExperts:
     def project(self, name, x_MI, counts_E, use_grouped):
         y_MO = super().project(name, x_MI, counts_E, use_grouped)
         a_ERI, b_EOR = _local(self.lora_A[name]), _local(self.lora_B[name])  # this rank's experts under EP
-        return y_MO + grouped_mm(grouped_mm(x_MI, a_ERI, counts_E, use_grouped), b_EOR, counts_E,
-                                 use_grouped) * self.scaling
+        # torch._grouped_mm wants 16-byte-aligned strides: with a rank that is not a multiple of 8 (bf16) the
+        # exact per-expert loop runs the adapter instead.
+        grouped = use_grouped if a_ERI.shape[1] % 8 == 0 else False
+        h_MR = grouped_mm(x_MI, a_ERI, counts_E, grouped)
+        return y_MO + grouped_mm(h_MR, b_EOR, counts_E, grouped) * self.scaling
 
 
 _EXPERT_CLASSES: dict[type, type] = {}
