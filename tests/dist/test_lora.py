@@ -96,10 +96,20 @@ def test_fsdp2_equals_one_process_holds_only_adapters_and_resumes(reference, tmp
 
 
 def test_expert_parallel_equals_one_process(reference, tmp_path):
-    _, init, ref = reference
+    from paraseek.infer.load import _checkpoint_step, _from_checkpoint, _load_checkpoint
+    from paraseek.models import load_pretrained
+
+    root, init, ref = reference
     run_train(*COMMON, "--steps", "4", "--init-from", str(init), "--nproc", "2", "--dp-shard", "2", "--ep", "2",
-              "--metrics-jsonl", "ep.jsonl", cwd=tmp_path)
+              "--metrics-jsonl", "ep.jsonl", "--export-hf", "out", cwd=tmp_path)
     assert_same_losses(step_losses(tmp_path / "ep.jsonl"), ref, rtol=1e-4)
+    # --export-hf gathers the EP-sharded adapters and merges them: the one-process run's model, up to the 1e-4
+    # of its losses.
+    src = _from_checkpoint(str(root / "ck"), _checkpoint_step(root / "ck"), None)
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        one = _load_checkpoint(src, torch.float32, "cpu", merge_lora=False)(ids)
+        assert rel_error(load_pretrained(tmp_path / "out", dtype=torch.float32)(ids), one) < 1e-3
 
 
 @pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match")  # see unit/test_lora.py

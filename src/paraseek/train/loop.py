@@ -215,9 +215,12 @@ class Run:
         optimizer.zero_grad(set_to_none=True)
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
+            config = dataclasses.asdict(cfg)
+            if self.m.lora:  # the adapters only: the base is read back from --init-from, wherever export runs
+                config["init_from"] = str(Path(cfg.init_from).resolve())
             path = save_checkpoint(cfg.checkpoint_dir, step, self.m.inner, optimizer,
-                                   {"data": self.loader.state_dict(), "config": dataclasses.asdict(cfg)},
-                                   model_keys=is_adapter if self.m.lora else None)  # LoRA: the adapters only
+                                   {"data": self.loader.state_dict(), "config": config},
+                                   model_keys=is_adapter if self.m.lora else None)
             if self.is_main:
                 print(f"checkpoint: {path}", flush=True)
 
