@@ -1,7 +1,7 @@
 """`paraseek train` input checks, issue 16 item 4: every mistake in a flag or a TOML value (type, choice, range,
 unknown name, an output path that cannot be written, a sequence longer than the model's positions, a tokenizer
 that is not the model's) costs exit code 2 and one line, before anything is launched; --print-config shows the
-merged configuration; --init-from's tokenizer is the one used and the first log line names it."""
+merged configuration; --init-from's tokenizer is the one used and the first log line names it; --slurm's script."""
 
 import json
 import os
@@ -148,6 +148,9 @@ MISTAKES = {
     "endpoint localhost": ([*TWO_NODES, "localhost:29500"], None, None, "resolves to the loopback address"),
     "endpoint unknown host": ([*TWO_NODES, "no-such-host.invalid:29500"], None, None, "does not resolve"),
     "endpoint on one node": (["--rdzv-endpoint", "10.1.2.3:29500"], None, None, "is for multi-node runs"),
+    "slurm without nnodes": (["--slurm", "--nproc", "8", "--checkpoint-dir", "ck"], None, None,
+                             "--slurm writes a multi-node job"),
+    "slurm without checkpoints": (["--slurm", "--nnodes", "2", "--nproc", "8"], None, None, "give --checkpoint-dir"),
 }
 GOOD = {
     "the base flags": [],
@@ -286,3 +289,50 @@ def test_other_commands_also_answer_in_one_line(capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+
+
+def test_slurm_script(workdir, monkeypatch, capsys, tmp_path):
+    """The script: one launcher per node, node 0 from scontrol, the socket interfaces, requeue + --resume; valid
+    bash; and run with stand-ins for srun and scontrol, a SIGUSR1 (time limit near) stops the step and requeues."""
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    rc, err, script, launched = attempt(["--slurm", "--device", "cuda", "--nnodes", "2", "--nproc", "8",
+                                         "--global-batch-size", "16", "--checkpoint-dir", "ck", "--steps", "100"],
+                                        workdir, monkeypatch, capsys)
+    assert rc == 0 and not launched, err
+    for text in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue",
+                 "#SBATCH --signal=B:USR1@300", 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                 "export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0", '--node-rank "$SLURM_NODEID"',
+                 '--nnodes 2 --rdzv-endpoint "$head:$port" --resume &', 'scontrol requeue "$SLURM_JOB_ID"'):
+        assert text in script, text
+    path = tmp_path / "train.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+    # Stand-ins: srun records its arguments and waits to be stopped; scontrol knows two hosts and records requeues.
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "srun").write_text('#!/bin/bash\nsleep 30 >/dev/null 2>&1 &\n'
+                               'trap \'echo TERM >> "$LOG"; kill $!; exit 143\' TERM\n'
+                               'printf "%s\\n" "$@" > "$LOG.srun"\nwait\n')
+    (bin_ / "scontrol").write_text('#!/bin/bash\nif [ "$1" = show ]; then printf "nodeA\\nnodeB\\n"; else '
+                                   'echo "$@" >> "$LOG"; fi\n')
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", LOG=str(log), SLURM_JOB_NODELIST="node[A-B]",
+               SLURM_JOB_ID="42")
+    job = subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(200):  # until srun started (at most 20 s)
+        if Path(f"{log}.srun").exists():
+            break
+        time.sleep(0.1)
+    job.send_signal(signal.SIGUSR1)
+    out, _ = job.communicate(timeout=30)
+    assert job.returncode == 143, out  # the step's own code: it stopped on SIGTERM
+    assert log.read_text().split("\n")[:2] == ["TERM", "requeue 42"], out
+    srun = Path(f"{log}.srun").read_text().splitlines()
+    assert srun[:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c"]
+    train = srun[srun.index("paraseek") + 1:]
+    assert train[1:4] == ["-m", "paraseek", "train"] and "--slurm" not in train
+    assert train[-5:] == ["--nnodes", "2", "--rdzv-endpoint", "nodeA:29500", "--resume"]

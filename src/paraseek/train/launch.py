@@ -20,6 +20,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
     cfg = from_namespace(ns)
+    if ns.slurm:
+        return print_slurm_script(cfg, ns.argv[1:])
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
     if "LOCAL_RANK" in os.environ:  # started by torchrun (or another launcher) directly: one worker of many
@@ -40,6 +42,20 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     cfg, _ = prepare(cfg)
     return launch(cfg)
+
+
+def print_slurm_script(cfg: TrainConfig, argv: list[str]) -> int:
+    """--slurm: the sbatch script of this run, checked as on one of its nodes (--nproc GPUs there, none needed here:
+    the script is usually written on a login node)."""
+    from paraseek.train.multinode import slurm_flags, slurm_script
+
+    if not cfg.nproc:
+        raise UserError("--slurm needs --nproc (processes, usually GPUs, per node) to check the plan")
+    node = resolve_defaults(dataclasses.replace(cfg, device=cfg.device or "cuda"), True, cfg.nproc)
+    script = slurm_script(node, slurm_flags(argv))
+    validate(node, node.device == "cuda", node.nproc, nodes=False)  # the script sets the node flags per node
+    print(script, end="")
+    return 0
 
 
 def prepare(cfg: TrainConfig, with_prediction: bool = False, open_data: bool = True) -> tuple[TrainConfig, dict | None]:
@@ -147,6 +163,11 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.nnodes == 1:
         argv.append("--standalone")
     else:
+        from paraseek.train.multinode import join_nodes
+
+        # Every node's launcher is here, or one line names the node that did not come. Node 0's store must stay
+        # alive through run(): torch's rendezvous below shares it.
+        nodes_store = join_nodes(cfg)  # noqa: F841
         argv += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-conf=join_timeout={math.ceil(cfg.rdzv_timeout)}"]
     argv += ["-m", "paraseek.train.worker"]
@@ -204,4 +225,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--print-config", action="store_true",
                    help="print the configuration this run would use (the TOML file, the flags and this machine's "
                    "defaults merged, as TOML that --config reads back) and exit")
+    p.add_argument("--slurm", action="store_true",
+                   help="print an sbatch script that runs this training on --nnodes nodes (one launcher per node, "
+                   "requeued on preemption and continued with --resume) and exit")
     p.set_defaults(func=cmd_train)
