@@ -99,8 +99,32 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return main(gen)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake costs one line, as every other user mistake does: what is wrong and, for a misspelt
+    flag, the closest one; not the usage block (`--help` prints that). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        if message.endswith("expected one argument"):  # argparse reads "-1e-3" as a flag
+            message += " (a value that starts with '-' is written --flag=VALUE)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra and self._subparsers is None:  # a subcommand's own: its flags are the ones to suggest
+            from paraseek.train.config import did_you_mean
+
+            flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            word = extra[0]
+            if word.startswith("-"):
+                names = [f[2:].replace("-", "_") for f in flags]
+                hint = did_you_mean(word.split("=", 1)[0], names, prefix="--").replace("_", "-")
+                self.error(f"unknown flag {word.split('=', 1)[0]}{hint}")
+            self.error(f"unexpected argument {word!r} (only flags follow `{self.prog}`; see --help)")
+        return ns, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="paraseek",
         description="DeepSeek-family models on many GPUs, PyTorch-native: plan a parallel layout, train it "
         "(FSDP2/HSDP/DDP, TP, PP, EP), diagnose the machine and dead runs, benchmark, generate and serve.",

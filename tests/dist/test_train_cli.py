@@ -25,6 +25,9 @@ CASES = {
     # sequence parallelism shards the sequence: refused in the parent, before any worker starts
     "sequence over tp": (["--nproc", "2", "--dp-shard", "1", "--tp", "2", "--seq-len", "31"],
                          "not divisible by --tp 2"),
+    # a bad choice and a misspelt flag: one line, not argparse's usage block
+    "precision fp8": (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16, got 'fp8'"),
+    "misspelt flag": (["--seqlen", "64"], "unknown flag --seqlen (did you mean --seq-len?)"),
 }
 
 

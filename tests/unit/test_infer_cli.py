@@ -63,7 +63,8 @@ def test_generate_reads_jsonl_with_token_ids_and_overrides(folder, tmp_path, cap
     (["--block-size", "7"], "--block-size must be a power of two"),
     (["--dp", "0"], "--dp must be >= 1"),
 ])
-def test_bad_input_is_one_line_and_exit_2(folder, argv, message, capsys, no_weights_loaded):
+def test_bad_input_is_one_line_and_exit_2(folder, argv, message, capsys, no_weights_loaded, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the CPU's answer, also on a GPU machine
     rc = main(["generate", str(folder), "--prompt", "hello", *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2

@@ -135,7 +135,7 @@ def test_bad_lora_flags_cost_one_line(dense_folder, capsys):
     init = ["--init-from", str(dense_folder)]
     cases = [
         (["--model", "tiny-dense", "--lora-rank", "0"], "--lora-rank must be a positive rank, got 0"),
-        (["--model", "tiny-dense", "--lora-rank", "-2"], "--lora-rank must be a positive rank, got -2"),
+        (["--model", "tiny-dense", "--lora-rank", "-2"], "--lora-rank must be >= 0, got -2"),
         (["--model", "tiny-dense", "--lora-targets", "q_proj"], "need --lora-rank"),
         ([*init, "--lora-rank", "8", "--lora-targets", "atention"], "unknown target 'atention'; did you mean 'attention'?"),
         ([*init, "--lora-rank", "8", "--lora-targets", "q_proj,experts"], "has no routed experts"),

@@ -31,7 +31,8 @@ def test_unknown_toml_key(tmp_path):
 
 
 def test_defaults_fill_the_world_and_check_the_batch():
-    cfg = resolve_defaults(TrainConfig(nproc=4, dp_replicate=2, global_batch_size=8, micro_batch_size=2), False, 0)
+    cfg = resolve_defaults(TrainConfig(nproc=4, dp_replicate=2, global_batch_size=8, micro_batch_size=2, seq_len=64),
+                           False, 0)
     assert (cfg.device, cfg.precision, cfg.dp_shard, cfg.grad_accum_steps) == ("cpu", "fp32", 2, 1)
     validate(cfg, False, 0)
     with pytest.raises(UserError, match="not divisible by micro-batch 2 x data-parallel size 4 = 8"):

@@ -110,7 +110,8 @@ class ParallelDims:
 
 
 def _degrees_problem(d: ParallelDims, cpu_offload: bool) -> str:
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "pp_virtual_stages"):
+    # dp_shard last: the CLI derives it from the others, so a bad --tp reads as itself, not as a bad dp_shard
+    for name in ("dp_replicate", "tp", "pp", "ep", "pp_virtual_stages", "dp_shard"):
         if getattr(d, name) <= 0:
             return f"--{name.replace('_', '-')} must be positive, got {getattr(d, name)}"
     if d.dp_shard % d.ep:

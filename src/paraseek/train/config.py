@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import json
+import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from paraseek.errors import UserError
-from paraseek.planner.dims import ParallelDims, default_virtual_stages
+from paraseek.planner.dims import SCHEDULES, ParallelDims, default_virtual_stages
 
 
 @dataclass
@@ -22,6 +26,7 @@ class TrainConfig:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # HOST:PORT of node 0 for multi-node runs
+    rdzv_timeout: float = 600.0  # seconds a node waits for the others to join (torchrun's default join timeout)
     plan: str = ""  # "auto": the planner picks the degrees, micro-batch, checkpointing and offload
     hardware: str = ""  # a `paraseek doctor --save` profile for --plan auto (default: this machine's datasheet)
     dp_replicate: int = 1  # replicas (DDP alone; with dp_shard > 1: HSDP's all-reduce dimension, across nodes)
@@ -36,11 +41,11 @@ class TrainConfig:
     moe_aux_loss_alpha: float = -1.0  # balance loss weight; -1 = the model's (V2: aux_loss_alpha; V3: off), 0 = off
     reshard_after_forward: bool = True  # False keeps gathered params between forward and backward (ZeRO-2-like)
     steps: int = 100
-    seq_len: int = 2048
+    seq_len: int = 2048  # unless given: 2048, or the model's positions when fewer (from_namespace)
     global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 1  # sequences per forward/backward on one rank
     data: str = "synthetic"  # synthetic | a .txt/.jsonl/.parquet file or a folder of them
-    tokenizer: str = ""  # an HF tokenizer.json; "" = the bundled one
+    tokenizer: str = ""  # an HF tokenizer.json or a folder; "" = --init-from's if it has one, else the bundled one
     precision: str = ""  # fp32 | bf16 | fp16; "" = bf16 on CUDA, fp32 on CPU
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
@@ -108,6 +113,8 @@ class TrainConfig:
                                    cpu_offload=plan.cpu_offload, reshard_after_forward=plan.reshard_after_forward)
 
 
+# The rule of every field, whatever its source (a flag, a TOML key, code): its annotated type, its choices, and its
+# range. A number must be >= 0 unless listed below, so a field added to TrainConfig is checked without a new line.
 _CHOICES = {
     "plan": ("", "auto"),
     "device": ("cpu", "cuda"),
@@ -115,7 +122,20 @@ _CHOICES = {
     "lr_schedule": ("cosine", "linear", "constant"),
     "activation_checkpointing": ("none", "full", "selective"),
     "on_anomaly": ("warn", "skip", "stop"),
+    "pp_schedule": SCHEDULES,
 }
+_AT_LEAST = {"nnodes": 1, "steps": 1, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "log_every": 1,
+             "rdzv_timeout": 1}
+_AT_MOST = {"min_lr_ratio": 1}
+_AUTO = {"dp_shard": -1, "moe_bias_gamma": -1, "moe_aux_loss_alpha": -1}  # the value that means "the default"
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")  # ranges: ParallelDims' rule set (planner/dims.py)
+# Names other trainers use, for "did you mean" (difflib finds the misspellings).
+_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "batch_size": "global_batch_size", "ckpt_dir":
+            "checkpoint_dir", "save_dir": "checkpoint_dir", "max_seq_len": "seq_len", "seq_length": "seq_len",
+            "warmup": "warmup_steps", "dtype": "precision", "gradient_checkpointing": "activation_checkpointing"}
+_KINDS = {"int": (int, "an integer"), "float": (float, "a number"), "bool": (bool, "true or false"),
+          "str": (str, "a string")}
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HELP = {
     "tp": "tensor-parallel degree (attention heads, MLP width, vocabulary); innermost, inside a node",
     "sequence_parallel": "with --tp: shard norms/residual activations over the sequence (default true)",
@@ -153,16 +173,17 @@ _HELP = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """One flag per field, all defaulting to None so that only what was typed overrides the TOML file."""
+    """One flag per field, all defaulting to None so that only what was typed overrides the TOML file. Choices and
+    ranges are not argparse's: `field_problem` checks a flag as it checks the same TOML key."""
     p.add_argument("--config", help="a TOML file with the same keys (dashes or underscores); flags override it")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help_ = _HELP.get(f.name, "") + (f" (default: {f.default!r})" if f.default not in ("", -1) else "")
+        choices = {"metavar": "{" + ",".join(_CHOICES[f.name]) + "}"} if f.name in _CHOICES else {}
         if f.type == "bool":
             p.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=help_)
         else:
-            kind = {"int": int, "float": float}.get(f.type, str)
-            p.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(f.name), help=help_)
+            p.add_argument(flag, type=_KINDS[f.type][0], default=None, help=help_, **choices)
 
 
 def _parse_bool(text: str) -> bool:
@@ -173,7 +194,48 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def did_you_mean(word: str, names, prefix: str = "") -> str:
+    """' (did you mean X?)' for the closest of `names` (or a name other trainers use for it), else ''."""
+    key = word.lstrip("-").replace("-", "_")
+    close = [_ALIASES[key]] if _ALIASES.get(key) in names else difflib.get_close_matches(key, list(names), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def field_problem(name: str, value: Any, where: str) -> str:
+    """Why `value` cannot be the field `name` ("" if it can): its type, choices and range. `where` names the source
+    in the message: "--lr", or "lr in run.toml"."""
+    kind, what = _KINDS[_FIELDS[name].type]
+    if kind is bool:
+        ok = isinstance(value, bool)
+    else:  # True is an int to Python, not to a user
+        ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+    if not ok:
+        return f"{where} must be {what}, got {value!r}"
+    if kind is float and not math.isfinite(value):
+        return f"{where} must be a finite number, got {value!r}"
+    if name in _CHOICES and value not in _CHOICES[name]:
+        choices = [c for c in _CHOICES[name] if c]
+        hint = [c for c in choices if c.lower() == value.lower()] or difflib.get_close_matches(value, choices, n=1)
+        return (f"{where} must be one of {', '.join(choices)}, got {value!r}"
+                + (f" (did you mean {hint[0]}?)" if hint else ""))
+    if kind in (int, float) and name not in _DEGREES and value != _AUTO.get(name):
+        low, high = _AT_LEAST.get(name, 0), _AT_MOST.get(name)
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            auto = f" (or {_AUTO[name]}: the default)" if name in _AUTO else ""
+            return f"{where} must be {bound}{auto}, got {value!r}"
+    return ""
+
+
+def check_fields(cfg: TrainConfig) -> None:
+    """Every field's own rule (`field_problem`), for a configuration however it was made."""
+    for f in dataclasses.fields(cfg):
+        if why := field_problem(f.name, getattr(cfg, f.name), "--" + f.name.replace("_", "-")):
+            raise UserError(why)
+
+
 def from_namespace(ns: argparse.Namespace) -> TrainConfig:
+    """The TOML file's keys, then the flags typed, each checked by its field's rule with its source in the message."""
     values: dict[str, Any] = {}
     if ns.config:
         path = Path(ns.config)
@@ -183,29 +245,50 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise UserError(f"--config {path}: not valid TOML ({e})") from None
-        names = {f.name for f in dataclasses.fields(TrainConfig)}
         for key, value in raw.items():
             name = key.replace("-", "_")
-            if name not in names:
-                raise UserError(f"--config {path}: unknown key {key!r}")
-            values[name] = value
-    for f in dataclasses.fields(TrainConfig):
-        if getattr(ns, f.name, None) is not None:
-            values[f.name] = getattr(ns, f.name)
-    if values.get("lora_rank", 1) <= 0:  # given, so meant: 0 would silently train every parameter instead
-        raise UserError(f"--lora-rank must be a positive rank, got {values['lora_rank']} (leave it out to train "
+            if name not in _FIELDS:
+                raise UserError(f"--config {path}: unknown key {key!r}{did_you_mean(name, _FIELDS)}")
+            if why := field_problem(name, value, f"{key} in {path}"):
+                raise UserError(why)
+            values[name] = float(value) if _FIELDS[name].type == "float" else value
+    for name in _FIELDS:
+        if getattr(ns, name, None) is not None:
+            if why := field_problem(name, getattr(ns, name), "--" + name.replace("_", "-")):
+                raise UserError(why)
+            values[name] = getattr(ns, name)
+    if getattr(ns, "lora_rank", None) is not None and ns.lora_rank <= 0:  # a flag given is meant: 0 would train
+        raise UserError(f"--lora-rank must be a positive rank, got {ns.lora_rank} (leave it out to train "  # all
                         "every parameter)")
+    if values.get("model") and values.get("init_from"):
+        _check_same_model(values["model"], values["init_from"])
+    if "seq_len" not in values:  # the default 2048, or the model's positions when it has fewer (the tiny presets)
+        from paraseek.models.args import resolve_model
+
+        model = values.get("init_from") or values.get("model") or TrainConfig.model
+        values["seq_len"] = min(TrainConfig.seq_len, resolve_model(model)[0].max_seq_len)
     return TrainConfig(**values)
 
 
+def _check_same_model(model: str, init_from: str) -> None:
+    """--init-from names the model by its config.json; a --model beside it must be the same architecture, or which
+    one trains would be a silent choice."""
+    from paraseek.models.args import resolve_model
+
+    if (Path(init_from) / "config.json").is_file() and resolve_model(model)[0] != resolve_model(init_from)[0]:
+        raise UserError(f"--model {model} and --init-from {init_from} are different models; --init-from's "
+                        "config.json is the model, so leave out --model")
+
+
 def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> TrainConfig:
-    """Fill the "auto" fields from the machine."""
+    """Fill the "auto" fields from the machine (and the tokenizer from --init-from), so that what runs, what the
+    checkpoint records and what --print-config shows are the same values."""
     cfg = dataclasses.replace(cfg)
     if not cfg.device:
         cfg.device = "cuda" if cuda_available else "cpu"
     if not cfg.precision:
         cfg.precision = "bf16" if cfg.device == "cuda" else "fp32"
-    if cfg.nproc <= 0:
+    if cfg.nproc == 0:
         cfg.nproc = gpu_count if cfg.device == "cuda" else 4
     if not cfg.run_dir:
         cfg.run_dir = str(Path(cfg.metrics_jsonl).parent) if cfg.metrics_jsonl else "runs/last"
@@ -214,23 +297,41 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
         cfg.dp_shard = cfg.world_size // other
     if cfg.pp_virtual_stages == 0:
         cfg.pp_virtual_stages = default_virtual_stages(cfg.pp_schedule)
+    if cfg.init_from:
+        cfg.model = cfg.init_from  # its config.json is the model
+    if cfg.data != "synthetic" and not cfg.tokenizer:
+        # The model's own tokenizer when --init-from has one; the header's first line names whichever it is.
+        from paraseek.train.data import BUNDLED_TOKENIZER
+
+        has_own = cfg.init_from and (Path(cfg.init_from) / "tokenizer.json").is_file()
+        cfg.tokenizer = cfg.init_from if has_own else str(BUNDLED_TOKENIZER)
     return cfg
 
 
-def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
-    """Every check that can fail on user input, before a process is launched or a file written."""
+def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool = True) -> None:
+    """Every check that can fail on user input, before a process is launched or a file written. `nodes=False`
+    leaves out the node flags (--node-rank, --rdzv-endpoint), which --slurm's script sets on each node."""
+    check_fields(cfg)
     if cfg.device == "cuda" and not cuda_available:
         raise UserError("--device cuda: no CUDA device is visible (use --device cpu, or check the driver)")
     if cfg.device == "cuda" and cfg.nproc > gpu_count:
         raise UserError(f"--nproc {cfg.nproc} but this node has {gpu_count} GPU(s)")
-    for name in ("nproc", "nnodes", "steps", "seq_len", "global_batch_size", "micro_batch_size"):
-        if getattr(cfg, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.nproc <= 0:
+        raise UserError(f"--nproc must be positive, got {cfg.nproc}")
+    if nodes:
+        _check_nodes(cfg)
     if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
         raise UserError(f"--init-from {cfg.init_from}: not an HF folder (no config.json)")
     from paraseek.models.args import resolve_model
 
-    args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    model = cfg.init_from or cfg.model
+    args, _, _ = resolve_model(model)
+    if cfg.seq_len > args.max_seq_len:
+        raise UserError(f"--seq-len {cfg.seq_len} is longer than {model}'s {args.max_seq_len:,} positions "
+                        f"(max_position_embeddings); use --seq-len {args.max_seq_len} or less")
+    if cfg.dp_shard == -1 and min(cfg.dp_replicate, cfg.tp, cfg.pp) > 0:  # resolve_defaults could not fill it
+        raise UserError(f"--dp-shard fills the world by default, but {cfg.world_size} processes are not divisible by "
+                        f"--dp-replicate {cfg.dp_replicate} x --tp {cfg.tp} x --pp {cfg.pp}; give --dp-shard")
     dims = cfg.dims
     options = dict(cpu_offload=cfg.cpu_offload, compile=cfg.compile, precision=cfg.precision)
     dims.check(args, cfg.seq_len, **options)  # the plan's one rule set (planner/dims.py), the planner's too
@@ -247,15 +348,11 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
             f"data-parallel size {dims.dp} = {per_step}"
         )
     dims.check(args, cfg.seq_len, cfg.grad_accum_steps, **options)  # and the pipeline's micro-batch rule
-    if cfg.loss_chunks < 0:
-        raise UserError(f"--loss-chunks must be >= 0, got {cfg.loss_chunks}")
     if cfg.loss_chunks and (cfg.tp > 1 or cfg.pp > 1):
         raise UserError("--loss-chunks works without --tp and --pp (TP's loss is vocab-parallel already; under "
                         "pipelining the last stage's schedule computes the loss)")
     if cfg.pp > 1 and cfg.grad_compression != "none":
         raise UserError("--pp with --grad-compression is not supported yet")
-    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
-        raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if cfg.grad_compression != "none":
         if not (cfg.grad_compression == "bf16" or _powersgd_rank(cfg.grad_compression)):
             raise UserError(f"--grad-compression {cfg.grad_compression!r}: expected none, bf16 or powersgd:RANK")
@@ -267,17 +364,101 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
         raise UserError("--precision fp16 is for GPUs without bf16; on CPU use fp32 or bf16")
     if cfg.resume and not cfg.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir")
-    if cfg.data != "synthetic" and not Path(cfg.data).exists():
-        raise UserError(f"--data {cfg.data}: no such file or folder")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise UserError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir (where to write them)")
+    if cfg.hardware and not Path(cfg.hardware).is_file():
+        raise UserError(f"--hardware {cfg.hardware}: no such file (write one with paraseek doctor --save FILE)")
     from paraseek.monitor.faults import check_faults, parse_faults
     from paraseek.monitor.profile import parse_profile_steps
 
     check_faults(parse_faults(cfg.inject_fault), cfg.world_size, cfg.steps)
     if cfg.profile_steps:
         parse_profile_steps(cfg.profile_steps)
-    if cfg.tokenizer and not Path(cfg.tokenizer).exists():
-        raise UserError(f"--tokenizer {cfg.tokenizer}: no such file")
+    _check_data_and_tokenizer(cfg, args.vocab_size)
+    _check_outputs(cfg)
     check_lora(cfg, args)
+
+
+def _check_nodes(cfg: TrainConfig) -> None:
+    if cfg.node_rank >= cfg.nnodes:
+        raise UserError(f"--node-rank {cfg.node_rank} with --nnodes {cfg.nnodes}: node ranks are 0 to {cfg.nnodes - 1}")
+    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
+        raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if cfg.rdzv_endpoint:
+        if cfg.nnodes == 1:
+            raise UserError(f"--rdzv-endpoint {cfg.rdzv_endpoint} is for multi-node runs; add --nnodes N (or leave "
+                            "it out: one node needs no rendezvous address)")
+        from paraseek.train.multinode import check_endpoint
+
+        check_endpoint(cfg.rdzv_endpoint)
+
+
+def config_toml(cfg: TrainConfig) -> str:
+    """The configuration as a TOML file that --config reads back: every field, in declaration order."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(v) if isinstance(v, str) else repr(v)  # JSON's string escapes are TOML's
+
+    lines = [f"{f.name} = {value(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg)]
+    return "# paraseek train --print-config: the TOML file, the flags and this machine's defaults, merged\n" + \
+        "\n".join(lines) + "\n"
+
+
+def tokenizer_origin(cfg: TrainConfig) -> str:
+    """Where the run's tokenizer came from, for the header line and error messages."""
+    from paraseek.train.data import BUNDLED_TOKENIZER
+
+    if cfg.init_from and cfg.tokenizer == cfg.init_from:
+        return f"--init-from's {Path(cfg.init_from) / 'tokenizer.json'}"
+    if cfg.tokenizer == str(BUNDLED_TOKENIZER):
+        return f"the bundled {BUNDLED_TOKENIZER.name}"
+    return f"--tokenizer {cfg.tokenizer}"
+
+
+def _check_data_and_tokenizer(cfg: TrainConfig, vocab_size: int) -> None:
+    if cfg.data == "synthetic":
+        if cfg.tokenizer:
+            raise UserError(f"--tokenizer {cfg.tokenizer} with --data synthetic: synthetic data is random token ids "
+                            "and is not tokenized; give text --data, or leave out --tokenizer")
+        return
+    from paraseek.train.data import list_files, load_tokenizer
+
+    list_files(cfg.data)
+    tok, file = load_tokenizer(cfg.tokenizer)
+    n_vocab = tok.get_vocab_size(with_added_tokens=True)
+    if n_vocab > vocab_size:  # ids past the embedding: the model cannot read this tokenizer's text
+        raise UserError(f"{tokenizer_origin(cfg)} has {n_vocab:,} tokens but the model's vocab_size is "
+                        f"{vocab_size:,}: it is not this model's tokenizer (give --tokenizer with the model's own)")
+
+
+def _check_outputs(cfg: TrainConfig) -> None:
+    """Every path the run writes, refused now if it cannot be written there, so a mistake costs no run. Nothing is
+    created here: a refused run leaves nothing behind."""
+    if cfg.metrics_jsonl:  # first: the default --run-dir is its folder
+        _check_writable("--metrics-jsonl", cfg.metrics_jsonl, folder=False)
+    folders = {"--checkpoint-dir": cfg.checkpoint_dir, "--export-hf": cfg.export_hf,
+               "--tensorboard": cfg.tensorboard, "--run-dir": cfg.run_dir}
+    if cfg.data != "synthetic":
+        from paraseek.train.data import cache_dir
+
+        folders["the token cache ($PARASEEK_CACHE)"] = str(cache_dir())
+    for what, path in folders.items():
+        if path:
+            _check_writable(what, path, folder=True)
+
+
+def _check_writable(what: str, path: str, folder: bool) -> None:
+    p = Path(path).expanduser().absolute()
+    if p.exists() and p.is_dir() != folder:
+        raise UserError(f"{what} {path}: that is a {'file' if folder else 'folder'}; give a "
+                        f"{'folder' if folder else 'file'} path")
+    start = p if folder else p.parent
+    ancestor = next(a for a in (start, *start.parents) if a.exists())
+    if not ancestor.is_dir():
+        raise UserError(f"{what} {path}: {ancestor} is a file, so no folder can be made there")
+    if not os.access(ancestor, os.W_OK | os.X_OK) or (p.is_file() and not os.access(p, os.W_OK)):
+        raise UserError(f"{what} {path}: {p if p.is_file() else ancestor} is not writable by this user")
 
 
 def _powersgd_rank(text: str) -> int:

@@ -43,9 +43,10 @@ class Dataset:
     """Fixed windows of seq_len + 1 tokens: cut from a cached token stream, or random tokens (data="synthetic")."""
 
     def __init__(self, *, seq_len: int, vocab_size: int, seed: int, tokens: np.ndarray | None = None,
-                 source: str = "synthetic", eos_id: int | None = None):
+                 source: str = "synthetic", eos_id: int | None = None, tokenizer_vocab: int | None = None):
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
         self.tokens, self.source, self.eos_id = tokens, source, eos_id
+        self.tokenizer_vocab = tokenizer_vocab  # the tokenizer's size, with added tokens (None: synthetic)
         # the remainder after the last full window is dropped
         self.num_sequences: int | None = None if tokens is None else len(tokens) // (seq_len + 1)
 
@@ -82,7 +83,8 @@ def open_dataset(data: str, *, seq_len: int, vocab_size: int, tokenizer: str | N
     if len(tokens) < seq_len + 1:
         raise UserError(f"{data}: the corpus has {len(tokens):,} tokens, one sequence of --seq-len {seq_len} needs "
                         f"{seq_len + 1:,}; add text or lower --seq-len")
-    return Dataset(seq_len=seq_len, vocab_size=vocab_size, seed=seed, tokens=tokens, source=str(data), eos_id=eos)
+    return Dataset(seq_len=seq_len, vocab_size=vocab_size, seed=seed, tokens=tokens, source=str(data), eos_id=eos,
+                   tokenizer_vocab=n_vocab)
 
 
 def list_files(data: str | os.PathLike) -> list[Path]:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
 from paraseek.errors import UserError
-from paraseek.train.config import TrainConfig, from_namespace, resolve_defaults, validate
+from paraseek.train.config import TrainConfig, config_toml, from_namespace, resolve_defaults, validate
 from paraseek.train.worker import CONFIG_ENV
 
 
@@ -19,6 +20,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
     cfg = from_namespace(ns)
+    if ns.slurm:
+        return print_slurm_script(cfg, ns.argv[1:])
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
     if "LOCAL_RANK" in os.environ:  # started by torchrun (or another launcher) directly: one worker of many
@@ -34,13 +37,31 @@ def cmd_train(ns: argparse.Namespace) -> int:
         from paraseek.train.worker import run
 
         run(cfg)  # does not return: the worker exits with the run's code
+    if ns.print_config:
+        print(config_toml(prepare(cfg, open_data=False)[0]), end="")
+        return 0
     cfg, _ = prepare(cfg)
     return launch(cfg)
 
 
-def prepare(cfg: TrainConfig, with_prediction: bool = False) -> tuple[TrainConfig, dict | None]:
+def print_slurm_script(cfg: TrainConfig, argv: list[str]) -> int:
+    """--slurm: the sbatch script of this run, checked as on one of its nodes (--nproc GPUs there, none needed here:
+    the script is usually written on a login node)."""
+    from paraseek.train.multinode import slurm_flags, slurm_script
+
+    if not cfg.nproc:
+        raise UserError("--slurm needs --nproc (processes, usually GPUs, per node) to check the plan")
+    node = resolve_defaults(dataclasses.replace(cfg, device=cfg.device or "cuda"), True, cfg.nproc)
+    script = slurm_script(node, slurm_flags(argv))
+    validate(node, node.device == "cuda", node.nproc, nodes=False)  # the script sets the node flags per node
+    print(script, end="")
+    return 0
+
+
+def prepare(cfg: TrainConfig, with_prediction: bool = False, open_data: bool = True) -> tuple[TrainConfig, dict | None]:
     """Everything before the launch, in the parent: machine defaults, --plan auto, validation, model and data
-    checks. With `with_prediction`, also the planner's prediction for the plan (None off CUDA or on an unknown GPU)."""
+    checks (`open_data`: tokenize the corpus into its cache). With `with_prediction`, also the planner's prediction
+    for the plan (None off CUDA or on an unknown GPU)."""
     import torch
 
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
@@ -49,7 +70,8 @@ def prepare(cfg: TrainConfig, with_prediction: bool = False) -> tuple[TrainConfi
     if cfg.plan == "auto":
         cfg = apply_auto_plan(cfg)
     validate(cfg, cuda, gpus)
-    _check_data(cfg)
+    if open_data:
+        _check_data(cfg)
     return cfg, (_predict(cfg) if with_prediction and cuda else None)
 
 
@@ -141,8 +163,13 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.nnodes == 1:
         argv.append("--standalone")
     else:
+        from paraseek.train.multinode import join_nodes
+
+        # Every node's launcher is here, or one line names the node that did not come. Node 0's store must stay
+        # alive through run(): torch's rendezvous below shares it.
+        nodes_store = join_nodes(cfg)  # noqa: F841
         argv += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
+                 f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-conf=join_timeout={math.ceil(cfg.rdzv_timeout)}"]
     argv += ["-m", "paraseek.train.worker"]
     os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
@@ -195,4 +222,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "then the command re-launches itself through torch.distributed.run with --nproc processes.",
     )
     add_arguments(p)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the configuration this run would use (the TOML file, the flags and this machine's "
+                   "defaults merged, as TOML that --config reads back) and exit")
+    p.add_argument("--slurm", action="store_true",
+                   help="print an sbatch script that runs this training on --nnodes nodes (one launcher per node, "
+                   "requeued on preemption and continued with --resume) and exit")
     p.set_defaults(func=cmd_train)

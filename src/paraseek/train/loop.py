@@ -42,7 +42,7 @@ from paraseek.parallel.pipeline import Pipeline, describe
 from paraseek.parallel.tensor import full_value, loss_context, reduce_tp_grads
 from paraseek.train.build import Model, build, resume
 from paraseek.train.checkpoint import full_model_state, save_checkpoint
-from paraseek.train.config import TrainConfig
+from paraseek.train.config import TrainConfig, tokenizer_origin
 from paraseek.train.data import DataLoader, open_dataset
 from paraseek.train.moe import ExpertBalance
 from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, token_loss
@@ -275,6 +275,7 @@ class Run:
         if not self.is_main:
             return
         cfg, dims, m = self.cfg, self.mesh.dims, self.m
+        print(data_line(cfg, self.loader.dataset), flush=True)
         counts = param_counts(m.args)
         plan = "DDP" if dims.ddp else ("HSDP" if dims.dp_replicate > 1 else "FSDP2")
         pp_text = (f" | pp={dims.pp} {dims.pp_schedule}"
@@ -308,6 +309,18 @@ class Run:
         print(f"done: {len(self.losses)} steps in {seconds:.1f} s | loss {self.losses[0]:.4f} -> "
               f"{self.losses[-1]:.4f} | median step {median * 1e3:,.0f} ms, {tps_gpu:,.0f} tokens/s/{unit}{mfu} | "
               f"peak memory {self.metrics['mem_peak_gib']:.2f} GiB", flush=True)
+
+
+def data_line(cfg: TrainConfig, dataset) -> str:
+    """The header's first line: which data, which tokenizer (never chosen silently), how many tokens and
+    sequences, and how many epochs the run's steps make of them."""
+    used = cfg.steps * cfg.global_batch_size  # sequences the whole run reads
+    if dataset.num_sequences is None:
+        return (f"data: synthetic (random token ids below vocab_size {dataset.vocab_size:,}; no tokenizer) | "
+                f"{cfg.steps} steps x {cfg.global_batch_size} sequences of {cfg.seq_len} tokens = {used:,} sequences")
+    return (f"data: {dataset.source} | tokenizer: {tokenizer_origin(cfg)} ({dataset.tokenizer_vocab:,} tokens) | "
+            f"{dataset.num_tokens:,} tokens = {dataset.num_sequences:,} sequences of {cfg.seq_len} + 1 | "
+            f"{cfg.steps} steps x {cfg.global_batch_size} sequences = {used / dataset.num_sequences:.2f} epochs")
 
 
 def make_forward_backward(cfg: TrainConfig, m: Model, mesh: ParallelMesh, device: torch.device,
