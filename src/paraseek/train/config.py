@@ -41,6 +41,14 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward/backward on one rank
     data: str = "synthetic"  # synthetic | a .txt/.jsonl/.parquet file or a folder of them
     tokenizer: str = ""  # an HF tokenizer.json; "" = the bundled one
+    chat_template: str = ""  # a Jinja file for chat data, replacing the tokenizer folder's template
+    pack: bool = True  # several documents per window; false: one per row, padded (train/data.py)
+    doc_mask: str = "auto"  # auto | true | false: attention inside each document; auto = on for chat data only
+    loss_on: str = "assistant"  # assistant | all | last-turn (chat data; text trains on every token)
+    overlong: str = "truncate"  # truncate | drop: a conversation longer than seq_len + 1 tokens
+    eval_data: str = ""  # held-out data (same formats) whose loss is evaluated
+    eval_every: int = 0  # evaluate every N steps (and after the last); 0 = after the last step only
+    eval_split: float = 0.0  # hold out this fraction of --data's windows as evaluation data instead
     precision: str = ""  # fp32 | bf16 | fp16; "" = bf16 on CUDA, fp32 on CPU
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
@@ -111,6 +119,9 @@ _CHOICES = {
     "lr_schedule": ("cosine", "linear", "constant"),
     "activation_checkpointing": ("none", "full", "selective"),
     "on_anomaly": ("warn", "skip", "stop"),
+    "doc_mask": ("auto", "true", "false"),
+    "loss_on": ("assistant", "all", "last-turn"),
+    "overlong": ("truncate", "drop"),
 }
 _HELP = {
     "tp": "tensor-parallel degree (attention heads, MLP width, vocabulary); innermost, inside a node",
@@ -131,7 +142,19 @@ _HELP = {
     "nproc": "processes on this node (default: one per GPU; 4 on CPU)",
     "dp_shard": "FSDP2 sharding degree (-1: the world size divided by the other degrees)",
     "dp_replicate": "data-parallel replicas: DDP when dp-shard is 1, else HSDP (all-reduce across replicas)",
-    "data": "'synthetic' or a .txt/.jsonl/.parquet file or folder of them",
+    "data": "'synthetic' or a .txt/.jsonl/.parquet file or folder of them: text (a 'text' field) or chat "
+            "('messages', or 'prompt' and 'completion'; rendered with the --tokenizer folder's chat template)",
+    "chat_template": "a Jinja chat template file used instead of the --tokenizer folder's",
+    "pack": "pack documents into --seq-len windows (chat: whole conversations, next-fit; text: the token stream cut "
+            "into windows); false: one document per row, padded",
+    "doc_mask": "attention and RoPE positions restricted to each document of a packed window (auto: true for chat "
+                "data, false for text)",
+    "loss_on": "chat data: train on the assistant turns, on every token, or on the last assistant turn only",
+    "overlong": "a conversation longer than --seq-len + 1 tokens: keep its first tokens, or drop it (counted either "
+                "way)",
+    "eval_data": "held-out data (the --data formats) whose loss and perplexity are reported",
+    "eval_every": "evaluate every N steps and after the last (0: after the last step only)",
+    "eval_split": "hold out this fraction of --data's windows (chosen by --seed) as the evaluation data",
     "loss_chunks": "compute the output head and its cross-entropy in this many row chunks (gradients on the fly): "
                    "the [tokens, vocab] logits never exist whole; 0 = off. Not with --tp (its loss is "
                    "vocab-parallel already) or --pp",
@@ -265,6 +288,25 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:
         parse_profile_steps(cfg.profile_steps)
     if cfg.tokenizer and not Path(cfg.tokenizer).exists():
         raise UserError(f"--tokenizer {cfg.tokenizer}: no such file")
+    _validate_data_flags(cfg)
+
+
+def _validate_data_flags(cfg: TrainConfig) -> None:
+    """The packing and evaluation flags against each other and the plan (the data itself is opened by launch)."""
+    if cfg.chat_template and not Path(cfg.chat_template).is_file():
+        raise UserError(f"--chat-template {cfg.chat_template}: no such file")
+    if not cfg.pack and cfg.doc_mask == "true":
+        raise UserError("--doc-mask true with --pack false: each row holds one document already; drop one of them")
+    if cfg.eval_data and cfg.eval_split:
+        raise UserError("give --eval-data PATH or --eval-split FRACTION, not both")
+    if not 0 <= cfg.eval_split < 1:
+        raise UserError(f"--eval-split must be a fraction in [0, 1), got {cfg.eval_split}")
+    if cfg.eval_every < 0:
+        raise UserError(f"--eval-every must be >= 0, got {cfg.eval_every}")
+    if cfg.eval_every and not (cfg.eval_data or cfg.eval_split):
+        raise UserError("--eval-every needs evaluation data: --eval-data PATH or --eval-split FRACTION")
+    if cfg.eval_data and cfg.eval_data != "synthetic" and not Path(cfg.eval_data).exists():
+        raise UserError(f"--eval-data {cfg.eval_data}: no such file or folder")
 
 
 def _powersgd_rank(text: str) -> int:
