@@ -100,7 +100,7 @@ class TrainConfig:
 
         return Plan(**dataclasses.asdict(self.dims), micro_batch_size=self.micro_batch_size,
                     activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
-                    reshard_after_forward=self.reshard_after_forward)
+                    reshard_after_forward=self.reshard_after_forward, document_mask=self.doc_mask == "true")
 
     def with_plan(self, plan) -> TrainConfig:
         """This run with a planner Plan's degrees and memory settings (its schedule only when it pipelines)."""
@@ -225,7 +225,17 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
         cfg.dp_shard = cfg.world_size // other
     if cfg.pp_virtual_stages == 0:
         cfg.pp_virtual_stages = default_virtual_stages(cfg.pp_schedule)
+    if cfg.doc_mask == "auto":  # on for packed chat data (train/data.py says why), what the planner then prices
+        cfg.doc_mask = "true" if cfg.pack and _is_chat(cfg.data) else "false"
     return cfg
+
+
+def _is_chat(data: str) -> bool:
+    if data == "synthetic" or not Path(data).exists():
+        return False  # validate says what is wrong with a missing path
+    from paraseek.train.data import data_kind, list_files
+
+    return data_kind(list_files(data)) == "chat"
 
 
 def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> None:

@@ -99,7 +99,7 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
             raise UserError(f"--plan auto: no datasheet for {torch.cuda.get_device_name(0)!r}; "
                             "give a profile with --hardware (paraseek doctor --save PROFILE.json)")
         cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
-    best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size)
+    best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size, document_mask=cfg.doc_mask == "true")
     p = best.plan
     cfg = cfg.with_plan(p)
     degrees = "".join(f" {k}={v}" for k, v in (("tp", p.tp), ("ep", p.ep)) if v > 1)
