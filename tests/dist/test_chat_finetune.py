@@ -7,18 +7,13 @@ trained-token sums divided by the same global count of trained tokens, only redu
 loss appears at the asked steps, in the console and in the JSONL."""
 
 import json
-import random
-import shutil
 
 import pytest
+from chat_corpus import chat_corpus
 from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, step_losses
-
-from paraseek.train.data import BUNDLED_TOKENIZER
 
 pytestmark = pytest.mark.dist
 
-TEMPLATES = BUNDLED_TOKENIZER.parents[3].parent / "tests" / "fixtures" / "chat_templates"
-WORDS = "the devil a dictionary of wit and wisdom in which every word is defined by its worst use".split()
 FLAGS = ["--data", "chat.jsonl", "--tokenizer", "tok", "--seq-len", "64", "--micro-batch-size", "2", "--steps", "4",
          "--eval-split", "0.1", "--eval-every", "2", "--metrics-jsonl", "m.jsonl"]
 PLANS = {
@@ -27,28 +22,6 @@ PLANS = {
     "tp2-sp": ["--nproc", "2", "--dp-shard", "1", "--tp", "2"],
     "pp2-1f1b": ["--nproc", "2", "--dp-shard", "1", "--pp", "2", "--pp-schedule", "1F1B"],
 }
-
-
-def chat_corpus(folder):
-    """48 conversations of 1-3 turns (some with a system prompt) and a tokenizer folder: the bundled tokenizer
-    with DeepSeek-LLM-7B-chat's template (which names only bos and eos, so the tiny models' 2,048 ids suffice)."""
-    (folder / "tok").mkdir()
-    shutil.copy(BUNDLED_TOKENIZER, folder / "tok" / "tokenizer.json")
-    template = (TEMPLATES / "deepseek_llm_7b_chat.jinja").read_text(encoding="utf-8")
-    (folder / "tok" / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": template}))
-    rng = random.Random(0)
-
-    def say(n):
-        return " ".join(rng.choice(WORDS) for _ in range(n))
-
-    with open(folder / "chat.jsonl", "w") as f:
-        for i in range(48):
-            messages = [{"role": "system", "content": say(3)}] if i % 3 == 0 else []
-            for _ in range(1 + i % 3):
-                messages += [{"role": "user", "content": say(rng.randint(2, 8))},
-                             {"role": "assistant", "content": say(rng.randint(2, 10))}]
-            f.write(json.dumps({"messages": messages}) + "\n")
 
 
 def eval_losses(jsonl) -> dict[int, float]:

@@ -350,3 +350,25 @@ def test_chat_cache_is_reused(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "render_into", lambda *a: (_ for _ in ()).throw(AssertionError("rendered again")))
     again = open_chat(path, folders["deepseek_v3"], seq_len=63, loss_on="all")  # other layouts, same cache
     assert np.array_equal(first.tokens, again.tokens)
+
+
+def test_train_flags_resolve_doc_mask_and_refuse_contradictions(folders, tmp_path):
+    from paraseek.train.config import TrainConfig, resolve_defaults, validate
+
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
+    base = dict(nproc=1, seq_len=64, global_batch_size=8, data=str(chat), tokenizer=str(folders["deepseek_v3"]))
+
+    def cfg(**changes):
+        return resolve_defaults(TrainConfig(**{**base, **changes}), False, 0)
+
+    assert cfg().doc_mask == "true" and cfg(pack=False).doc_mask == "false"
+    assert cfg(data="synthetic").doc_mask == "false" and cfg().to_plan().document_mask
+    validate(cfg(eval_split=0.1, eval_every=5), False, 0)
+    for changes, message in [({"pack": False, "doc_mask": "true"}, "each row holds one document already"),
+                             ({"eval_data": str(chat), "eval_split": 0.1}, "not both"),
+                             ({"eval_split": 1.5}, r"a fraction in \[0, 1\)"),
+                             ({"eval_every": 10}, "--eval-every needs evaluation data"),
+                             ({"eval_data": "synthetic"}, "no end to evaluate over"),
+                             ({"eval_data": str(tmp_path / "nope")}, "no such file or folder"),
+                             ({"chat_template": str(tmp_path / "nope.jinja")}, "--chat-template .*: no such file")]:
+        one_line(message, validate, cfg(**changes), False, 0)

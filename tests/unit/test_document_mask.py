@@ -87,3 +87,15 @@ def test_masked_labels_add_nothing():
     got = F.cross_entropy(logits.flatten(0, 1), masked.flatten(), reduction="sum")
     by_hand = -(logits.log_softmax(-1).gather(-1, labels[..., None])[..., 0] * keep).sum()
     assert rel_error(got.detach(), by_hand.detach()) < 1e-6
+
+
+def test_chunked_head_loss_takes_the_positions_too():
+    """--loss-chunks computes the same masked sum from the same document-masked hidden states."""
+    model = _model("tiny-moe")
+    _, inputs, labels, positions = _packed_batch(model.args.vocab_size)
+    labels = labels.masked_fill(positions == 0, IGNORE_INDEX)
+    with torch.no_grad():
+        whole = F.cross_entropy(model(inputs, positions_BT=positions).flatten(0, 1), labels.flatten(),
+                                reduction="sum")
+        chunked = model(inputs, labels, 3, positions_BT=positions)
+    assert rel_error(chunked, whole) < 1e-5

@@ -315,7 +315,9 @@ def _validate_data_flags(cfg: TrainConfig) -> None:
         raise UserError(f"--eval-every must be >= 0, got {cfg.eval_every}")
     if cfg.eval_every and not (cfg.eval_data or cfg.eval_split):
         raise UserError("--eval-every needs evaluation data: --eval-data PATH or --eval-split FRACTION")
-    if cfg.eval_data and cfg.eval_data != "synthetic" and not Path(cfg.eval_data).exists():
+    if cfg.eval_data == "synthetic":
+        raise UserError("--eval-data synthetic has no end to evaluate over: give held-out files, or --eval-split")
+    if cfg.eval_data and not Path(cfg.eval_data).exists():
         raise UserError(f"--eval-data {cfg.eval_data}: no such file or folder")
 
 
