@@ -22,8 +22,7 @@ from paraseek.train import data
 from paraseek.train.chat import ASSISTANT, LAST
 from paraseek.train.data import DataLoader, EvalLoader, open_dataset, split_eval
 
-from numerics import rel_error
-from test_tokenizer import (BOS, CHAT_DONE, DEEPSEEK_TOOL_CHAT, EOS, LLAMA_TOOL_CHAT, MODELS, SYSTEM, WEATHER_TOOL,
+from test_tokenizer import (CHAT_DONE, DEEPSEEK_TOOL_CHAT, EOS, LLAMA_TOOL_CHAT, MODELS, SYSTEM, WEATHER_TOOL,
                             make_folder)
 
 VOCAB = 4096  # the bundled 2,048 tokens plus the templates' added ones
@@ -211,6 +210,8 @@ def test_next_fit_packing_padding_and_positions(folders, tmp_path):
         windows[-1].append(i)
         fill += n
     assert ds.num_sequences == len(windows) > 1
+    counted = ds._segment_trained(ds.seg_off, ds.seg_len)  # read in chunks of the corpus: any chunk size agrees
+    assert counted.sum() > 0 and np.array_equal(counted, ds._segment_trained(ds.seg_off, ds.seg_len, chunk=7))
     for k, members in enumerate(windows):
         tokens, trained, positions = ds.window(k)
         expect = [t for i in members for t in docs[i][0]]
@@ -260,18 +261,13 @@ def test_text_document_masking_and_padding(tmp_path):
             assert positions[j] == (0 if tokens[j - 1] == TEXT_EOS else positions[j - 1] + 1)
         assert trained.tolist() == (positions != 0).tolist()
     padded = open_dataset(str(folder), seq_len=15, vocab_size=2048, pack=False)
-    pieces = [d[k:k + 16] for d in (TOKENIZE(t) for t in docs) for k in range(0, len(d), 16)]
+    pieces = [d[k:k + 16] for d in (stream([t]) for t in docs) for k in range(0, len(d), 16)]  # ids + eos
     pieces = [p for p in pieces if len(p) > 1]
     assert padded.num_sequences == len(pieces)
     for i, p in enumerate(pieces):
         tokens, trained, _ = padded.window(i)
         assert tokens[:len(p)].tolist() == p and trained.tolist() == [False] + [True] * (len(p) - 1) + \
             [False] * (16 - len(p))
-
-
-def TOKENIZE(text):
-    from test_data import stream
-    return stream([text])
 
 
 # ------------------------------------------------------------------------------------------ loaders and eval split

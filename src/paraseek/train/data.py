@@ -124,14 +124,11 @@ class PackedDataset:
             keep = n > 1  # a 1-token piece predicts nothing
             if (~keep).any():
                 notes.append(f"{int((~keep).sum()):,} one-token pieces dropped")
-            counts = None
         else:
-            # trained tokens up to each offset, to count what a (truncated) conversation keeps
-            counts = np.concatenate([[0], np.cumsum(self._trained(0, len(tokens)), dtype=np.int64)])
             long_ = n > W
             keep = ~long_ if overlong == "drop" else np.ones(len(n), dtype=bool)
             n = np.minimum(n, W)
-            useful = counts[off + n] - counts[off + 1] > 0  # a document's first token aside: nothing predicts it
+            useful = self._segment_trained(off, n) > 0  # what a (truncated) conversation keeps
             if long_.any():
                 notes.append(f"{int(long_.sum()):,} longer than {W:,} tokens " +
                              ("dropped" if overlong == "drop" else f"truncated to their first {W:,}"))
@@ -143,8 +140,7 @@ class PackedDataset:
             raise UserError(f"{source}: no document is left to train on ({'; '.join(notes) or 'empty'})")
         self.win_start = _next_fit(self.seg_len, W) if pack else np.arange(len(self.seg_len) + 1)
         self.num_sequences = len(self.win_start) - 1
-        n_trained = int((self.seg_len - 1).sum() if counts is None else
-                        (counts[self.seg_off + self.seg_len] - counts[self.seg_off + 1]).sum())
+        n_trained = int(self._segment_trained(self.seg_off, self.seg_len).sum())
         padding = 1 - self.seg_len.sum() / (self.num_sequences * W)
         what = (f"{meta['rows']:,} conversations" if meta else f"{n_docs:,} documents")
         layout = ((f"packed, attention {'masked to each document' if doc_mask else 'across the documents of a window'}")
@@ -166,6 +162,22 @@ class PackedDataset:
             return np.ones(b - a, dtype=bool)
         roles = np.asarray(self.roles[a:b])
         return roles == LAST if self.loss_on == "last-turn" else roles >= ASSISTANT
+
+    def _segment_trained(self, off: np.ndarray, n: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
+        """Trained tokens of each segment tokens[off:off + n] but its first (nothing in its document predicts it),
+        for segments in corpus order; the roles are read `chunk` tokens at a time (a cumulative count over the whole
+        corpus would hold 9 bytes per token)."""
+        if self.roles is None:
+            return np.maximum(n - 1, 0)
+        out = np.zeros(len(off), dtype=np.int64)
+        i = 0
+        while i < len(off):
+            j = max(i + 1, int(np.searchsorted(off, off[i] + chunk)))
+            a, b = int(off[i]), int((off[i:j] + n[i:j]).max())
+            counts = np.concatenate([[0], np.cumsum(self._trained(a, b), dtype=np.int64)])
+            out[i:j] = np.maximum(counts[off[i:j] - a + n[i:j]] - counts[np.minimum(off[i:j] - a + 1, b - a)], 0)
+            i = j
+        return out
 
     def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if not 0 <= index < self.num_sequences:
@@ -628,7 +640,7 @@ class DataLoader:
         step; (inputs, labels, positions [m, T]) when attention is masked per document."""
         per_rank = self.global_batch_size // self.dp_size
         start = self.position + self.dp_rank * per_rank
-        windows = [_window(self.dataset, self._index(p)) for p in range(start, start + per_rank)]
+        windows = [self.dataset.window(self._index(p)) for p in range(start, start + per_rank)]
         self.position += self.global_batch_size
         return collate(windows, self.micro_batch_size, self.dataset.has_positions)
 
@@ -638,10 +650,6 @@ class DataLoader:
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
         self._perms = {}
-
-
-def _window(dataset, index: int):
-    return dataset.window(index) if hasattr(dataset, "window") else (dataset.sequence(index), None, None)
 
 
 def collate(windows: list, m: int, with_positions: bool) -> list[tuple[torch.Tensor, ...]]:
@@ -674,6 +682,6 @@ class EvalLoader:
     def batches(self) -> list[tuple[torch.Tensor, ...]]:
         W = self.dataset.seq_len + 1
         empty = (torch.zeros(W, dtype=torch.int64), torch.zeros(W, dtype=torch.bool), torch.arange(W))
-        windows = [_window(self.dataset, i) if i < self.dataset.num_sequences else empty
+        windows = [self.dataset.window(i) if i < self.dataset.num_sequences else empty
                    for i in range(self.first, self.first + self.per_rank)]
         return collate(windows, self.m, self.dataset.has_positions)

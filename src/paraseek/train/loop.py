@@ -30,6 +30,7 @@ from paraseek.errors import UserError
 from paraseek.hardware.specs import peak_flops
 from paraseek.models import flops_per_token, param_counts, resolve_model
 from paraseek.models.hf import save_hf_state
+from paraseek.models.loss import IGNORE_INDEX
 from paraseek.monitor.faults import FaultInjector
 from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_hosts,
                                      gather_step_times, log_event, nonfinite_report, step_time_stats)
@@ -44,7 +45,6 @@ from paraseek.parallel.tensor import full_value, loss_context, reduce_tp_grads
 from paraseek.train.build import Model, build, resume
 from paraseek.train.checkpoint import full_model_state, save_checkpoint
 from paraseek.train.config import TrainConfig
-from paraseek.models.loss import IGNORE_INDEX
 from paraseek.train.data import DataLoader, EvalLoader, open_training_data
 from paraseek.train.moe import ExpertBalance
 from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, token_loss
@@ -408,7 +408,7 @@ class ForwardBackward:
 
     @torch.no_grad()
     def evaluate(self, micro_batches: list) -> tuple[float, int]:
-        loss_sum, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
         if self.pipe is not None:
             self.current["eval"] = True
