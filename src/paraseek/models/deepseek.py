@@ -79,11 +79,12 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
 
 
 def apply_rope(x_BTHR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """Rotate the last dim. cos/sin hold R/2 angles. Half-split layout (Llama) or adjacent pairs (DeepSeek MLA).
+    """Rotate the last dim. cos/sin hold R/2 angles, [T, R/2] (positions 0..T-1 of every row) or [B, T, R/2] (each
+    row's own positions: packed documents). Half-split layout (Llama) or adjacent pairs (DeepSeek MLA).
 
     For adjacent pairs the output is written in half-split order; queries and keys get the same permutation, so
     q.k is unchanged and the layout after rotation is free to choose."""
-    cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
+    cos, sin = cos_TR.unsqueeze(-2), sin_TR.unsqueeze(-2)  # a heads dim to broadcast over
     if interleave:
         x1, x2 = x_BTHR[..., 0::2], x_BTHR[..., 1::2]
     else:
@@ -92,6 +93,50 @@ def apply_rope(x_BTHR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
 
 
 # ---- attention --------------------------------------------------------------------------------------------------------
+def document_mask(positions_BT: torch.Tensor):
+    """Causal attention inside each document of packed rows: query t sees key s iff s <= t and no document starts in
+    (s, t], a document starting wherever a row's position is 0 (the rule HF's packing collator and FlashAttention-2's
+    varlen path read position ids by). One mask per micro-batch, shared by every layer.
+
+    On CUDA a FlexAttention BlockMask (Dong et al. 2024: only the 128 x 128 blocks a document touches are computed);
+    elsewhere a dense [B, 1, T, T] boolean mask for SDPA, since torch 2.13's FlexAttention has no backward on the CPU
+    ("FlexAttention does not support backward on CPU"). Both are the same predicate."""
+    doc_BT = (positions_BT == 0).cumsum(dim=1)
+    B, T = doc_BT.shape
+    if positions_BT.is_cuda:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document_causal(b, h, q, kv):
+            return (doc_BT[b, q] == doc_BT[b, kv]) & (q >= kv)
+
+        return create_block_mask(same_document_causal, B, None, T, T, device=positions_BT.device, _compile=True)
+    t_T = torch.arange(T, device=positions_BT.device)
+    causal_TT = t_T[:, None] >= t_T[None, :]
+    return ((doc_BT[:, :, None] == doc_BT[:, None, :]) & causal_TT)[:, None]
+
+
+_compiled_flex = None
+
+
+def attention(q_BHTQ: torch.Tensor, k_BHTQ: torch.Tensor, v_BHTU: torch.Tensor, scale: float, mask=None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """Causal SDPA, or, given a `document_mask`, attention restricted to each document: FlexAttention for a
+    BlockMask (compiled once: eager FlexAttention materializes the whole score matrix), SDPA with the boolean
+    mask otherwise."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTU, is_causal=True, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q_BHTQ, k_BHTQ, v_BHTU, attn_mask=mask, scale=scale,
+                                              enable_gqa=enable_gqa)
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q_BHTQ, k_BHTQ, v_BHTU, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA and optional q/k/v bias (DeepSeek-LLM, Llama, Qwen2)."""
 
@@ -104,16 +149,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         self.softmax_scale = args.head_dim**-0.5
 
-    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         # -1 heads: under tensor parallelism the projections hold n_heads / tp (n_kv_heads / tp) heads.
         q = apply_rope(self.q_proj(x_BTD).view(B, T, -1, self.head_dim), cos_TR, sin_TR, False)
         k = apply_rope(self.k_proj(x_BTD).view(B, T, -1, self.head_dim), cos_TR, sin_TR, False)
         v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale, mask,
+                      enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -145,7 +188,7 @@ class MLA(nn.Module):
             self.softmax_scale *= _yarn_mscale(args.rope_factor, args.rope_mscale_all_dim) ** 2
         self.interleave = args.rope_interleave
 
-    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, mask=None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD))) if self.q_lora_rank else self.q_proj(x_BTD)
         q_nope, q_pe = q.view(B, T, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -159,9 +202,7 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(B, T, H, self.rope_dim)], dim=-1)
         # q/k head dim 192, v 128: SDPA runs cuDNN's kernel, 357 TFLOP/s forward+backward on H200 at V2-Lite's shape;
         # padding v to 192 for the flash kernel measured 2.3x slower (BENCHMARKS.md, "MLA attention").
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
-        )
+        o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale, mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
 
@@ -328,8 +369,9 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_TR, sin_TR)
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, mask=None) -> torch.Tensor:
+        # `mask` by keyword: tensor parallelism's input hooks lay out the positional inputs only
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_TR, sin_TR, mask=mask)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
@@ -365,33 +407,42 @@ class Transformer(nn.Module):
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
 
-    def rope_cos_sin(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        pos_T = torch.arange(seq_len, device=device, dtype=torch.float32)
-        angles_TR = torch.outer(pos_T, self.rope_inv_freq.to(device=device, dtype=torch.float32))
-        return angles_TR.cos() * self.rope_attn_factor, angles_TR.sin() * self.rope_attn_factor
+    def rope_cos_sin(self, seq_len: int, device: torch.device,
+                     positions_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, R/2] of positions 0..seq_len-1, or [B, T, R/2] of each row's own `positions_BT`."""
+        if positions_BT is None:
+            pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        else:
+            pos = positions_BT.to(device=device, dtype=torch.float32)
+        angles = pos.unsqueeze(-1) * self.rope_inv_freq.to(device=device, dtype=torch.float32)
+        return angles.cos() * self.rope_attn_factor, angles.sin() * self.rope_attn_factor
 
-    def hidden_states(self, input_ids_BT: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids_BT: torch.Tensor, seq_len: int | None = None,
+                      positions_BT: torch.Tensor | None = None) -> torch.Tensor:
         """The final-norm hidden states [B, T, D] (the loss can then be computed without whole logits). A pipeline
         stage without the embedding takes hidden states instead of ids, and one without the final norm returns its
         last block's output. `seq_len`: the whole sequence's length when the input holds only part of its positions
-        (a later pipeline stage under sequence parallelism receives T / tp of them); default its own length."""
+        (a later pipeline stage under sequence parallelism receives T / tp of them); default its own length.
+        `positions_BT`: each token's position in its document, for rows that pack several documents: RoPE restarts
+        and attention stays inside each document (document_mask); None = one sequence per row."""
         h_BTD = self.embed_tokens(input_ids_BT) if self.embed_tokens is not None else input_ids_BT
         # RoPE over the whole sequence: under sequence parallelism h_BTD holds only this rank's T / tp positions.
-        cos_TR, sin_TR = self.rope_cos_sin(seq_len or input_ids_BT.shape[1], h_BTD.device)
+        cos_TR, sin_TR = self.rope_cos_sin(seq_len or input_ids_BT.shape[1], h_BTD.device, positions_BT)
         cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
+        mask = None if positions_BT is None else document_mask(positions_BT.to(h_BTD.device))
         for layer in self.layers.values():
-            h_BTD = layer(h_BTD, cos_TR, sin_TR)
+            h_BTD = layer(h_BTD, cos_TR, sin_TR, mask=mask)
         return self.norm(h_BTD) if self.norm is not None else h_BTD
 
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None, loss_chunks: int = 0,
-                seq_len: int | None = None) -> torch.Tensor:
+                seq_len: int | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V]; or, given labels and loss_chunks > 0, the summed token cross-entropy computed chunk by
-        chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered. `seq_len`:
-        see hidden_states."""
-        h_BTD = self.hidden_states(input_ids_BT, seq_len)
+        chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered. `seq_len`,
+        `positions_BT`: see hidden_states."""
+        h_BTD = self.hidden_states(input_ids_BT, seq_len, positions_BT)
         if self.norm is None:  # a pipeline stage before the last: its output is the next stage's input
             return h_BTD
         if labels_BT is not None and loss_chunks > 0:

@@ -83,15 +83,18 @@ class TextTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def render_chat_with_spans(self, messages: list[dict], *, add_generation_prompt: bool = False,
-                               tools: list[dict] | None = None, **template_kwargs) -> tuple[str, list[tuple]]:
+                               tools: list[dict] | None = None, through: tuple[str, ...] = (),
+                               **template_kwargs) -> tuple[str, list[tuple]]:
         """(rendered text, [(start_char, end_char)]) where the spans are what fine-tuning trains on.
 
         A template with {% generation %} tags gives transformers' spans (`return_assistant_tokens_mask`): the
         text rendered inside each tag. Any other template: the content of each assistant message (string content),
         found by rendering the chat with every such content wrapped in two private-use marker characters and
-        checking that the render without the markers is the real render. A template that trims or rewrites the
-        content (R1's drops everything up to </think>) moves the markers, and that is an error rather than a
-        guess."""
+        checking that the render without the markers is the real render, each span then extended over one of the
+        `through` strings when the template writes it right after the content (the end-of-turn token: a model
+        trained on a turn must also learn to end it, as the tagged templates' spans include it). A template that
+        trims or rewrites the content (R1's drops everything up to </think>) moves the markers, and that is an
+        error rather than a guess."""
         template = self._template(tools)
         variables = self._variables(messages, tools, add_generation_prompt, template_kwargs)
         if re.search(r"\{%-?\s*generation\s*-?%\}", template):
@@ -110,7 +113,7 @@ class TextTokenizer:
                             f"{len(spans)} of {len(contents)} assistant turns intact), so their spans cannot be "
                             f"located in its render: give assistant turns as the template renders them (e.g. "
                             f"without the reasoning it drops), or use a template with {{% generation %}} tags")
-        return text, spans
+        return text, [(a, b + next((len(s) for s in through if s and text.startswith(s, b)), 0)) for a, b in spans]
 
     def _template(self, tools) -> str:
         # transformers' get_chat_template: "tool_use" when tools are given and the model has one, else "default"

@@ -22,7 +22,7 @@ class ParallelMesh:
 
     def __init__(self, dims: ParallelDims, device_type: str):
         names, sizes = zip(*dims.mesh_shape())
-        self.dims = dims
+        self.dims, self.device_type = dims, device_type
         self.mesh: DeviceMesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         mesh = self.mesh
         if dims.ep > 1:
@@ -56,6 +56,13 @@ class ParallelMesh:
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         return self.pp.get_group() if self.pp is not None else None
+
+    def dp_sum(self, n: int) -> int:
+        """The sum over the data-parallel ranks of a count that the tp and pp ranks of each dp rank hold alike (the
+        step's trained tokens: they read the same data). One all-reduce over the world, divided by tp x pp."""
+        t = torch.tensor([n], dtype=torch.int64, device=self.device_type)
+        dist.all_reduce(t)
+        return int(t.item()) // (self.dims.tp * self.dims.pp)
 
     def mean_loss(self, loss_sum: torch.Tensor) -> float:
         """The step's loss, the same on every rank, from each rank's sum of its normalized micro-batch losses: a

@@ -128,13 +128,26 @@ class Pipeline:
         params = inspect.signature(self.schedule.step).parameters
         self.step_kw = {"return_outputs": False} if "return_outputs" in params else {}
 
-    def step(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor) -> list[torch.Tensor]:
+    def step(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor,
+             positions_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """`positions_BT` (packed documents) goes to every stage as a keyword argument: torch's schedules split
+        keyword inputs into micro-batches and hand them to each stage's forward, first or not."""
+        return self._run(self.schedule.step, inputs_BT, labels_BT, positions_BT, self.step_kw)
+
+    def eval(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor,
+             positions_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Forward only (the schedule's eval): the losses of every micro-batch on the last stage."""
+        return self._run(self.schedule.eval, inputs_BT, labels_BT, positions_BT, {})
+
+    def _run(self, call, inputs_BT, labels_BT, positions_BT, kw: dict) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         args = (inputs_BT,) if self.has_first else ()
+        if positions_BT is not None:
+            kw = {**kw, "positions_BT": positions_BT}
         if self.has_last:
-            self.schedule.step(*args, target=labels_BT, losses=losses, **self.step_kw)
+            call(*args, target=labels_BT, losses=losses, **kw)
         else:
-            self.schedule.step(*args, **self.step_kw)
+            call(*args, **kw)
         return losses
 
 

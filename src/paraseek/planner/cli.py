@@ -33,6 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("--scaling", metavar="N,N,...", help="predict the best plan's tokens/s/GPU at each GPU count")
     p.add_argument("--plot", metavar="FILE.png", help="with --scaling: write a plot (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--doc-mask", action="store_true",
+                   help="price packed rows with document masks (chat fine-tuning: per-token RoPE tables, positions "
+                   "and FlexAttention's block mask per micro-batch)")
     p.add_argument("--all-dims", action="store_true",
                    help="also rank what paraseek train does not run, as predictions: tp with DDP, CPU offload with "
                    "tp or pp, pipelines of tied embeddings, and ZBVZeroBubble (not measured on GPUs yet)")
@@ -97,7 +100,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     if ns.global_batch_size is None:
         raise UserError("--global-batch-size is required for training plans (sequences per optimizer step)")
     if ns.scaling:
-        rows = scaling(args, cluster, _counts(ns.scaling), ns.seq_len, ns.global_batch_size, ns.model)
+        rows = scaling(args, cluster, _counts(ns.scaling), ns.seq_len, ns.global_batch_size, ns.model,
+                       document_mask=ns.doc_mask)
         if ns.plot:
             report.plot_scaling(rows, ns.plot, f"{ns.model} on {cluster.gpu.name}, seq {ns.seq_len}, "
                                 f"global batch {ns.global_batch_size} (predicted)")
@@ -109,7 +113,8 @@ def run_plan(ns: argparse.Namespace) -> int:
                 print(f"plot: {ns.plot}")
         return 0
 
-    res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model, engine_only=not ns.all_dims)
+    res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model, engine_only=not ns.all_dims,
+                 document_mask=ns.doc_mask)
     if ns.json:
         print(json.dumps(report.search_json(res, ns.top), indent=2))
     else:

@@ -15,7 +15,10 @@ So routed-expert params, grads and optimizer states are *not* divided by tp (FSD
 EP over ep), MoE routing/dispatch activations are per local token, and the router's, the routed experts' and MLA's
 replicated down-projections' partial gradients are all-reduced over tp once per step (`reduce_tp_grads`).
 With flash/memory-efficient SDPA the paper's 5*a*s/h attention-score term is replaced by the output and its fp32
-log-sum-exp. Pipeline schedules keep several micro-batches in flight (sec. 4.2.3 of the same paper).
+log-sum-exp (FlexAttention, which document masking runs on CUDA, saves the same). Pipeline schedules keep several
+micro-batches in flight (sec. 4.2.3 of the same paper). Packed rows with document masks add a few bytes per token of
+each micro-batch in flight (document_mask_bytes); padded rows (--pack false) have the shapes of packed ones, so their
+memory is the same and their price is the compute spent on padding.
 """
 
 from __future__ import annotations
@@ -42,6 +45,17 @@ OPTIM_TEMP_BYTES = 0  # AdamW(fused=True) as the anchors and TorchTitan run it; 
 def _norm(d: int) -> int:
     """Eager RMSNorm (deepseek.py): saves the fp32 copy of its input, the fp32 rstd and the normalized bf16 tensor."""
     return FP32 * d + FP32 + BF16 * d
+
+
+def document_mask_bytes(a: ModelArgs, seq_len: int) -> float:
+    """Bytes per token of one micro-batch with document masking (models/deepseek.py: hidden_states and
+    document_mask), alive from its forward to the end of its backward: the int64 positions and document ids; RoPE's
+    cos and sin per token ([B, T, R/2] each in the compute dtype; without positions they are [T, R/2], shared by the
+    batch, which the layer terms count as free) -- whole on every tp rank, as attention reads them after the
+    sequence is gathered; and FlexAttention's BlockMask: four [B, T/128, T/128] int32 block tables (kv and q,
+    partial and full blocks) plus their [B, T/128] counts, i.e. ~16 * T / 128^2 bytes per token."""
+    blocks = -(-seq_len // 128)
+    return 8 + 8 + 2 * BF16 * (a.rope_dim // 2) + (4 * 4 * blocks * blocks + 4 * 4 * blocks) / seq_len
 
 
 def layer_activation_bytes(a: ModelArgs, layer_id: int, ac: str) -> tuple[int, int]:
@@ -418,6 +432,8 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         # (full) or its elementwise part (selective).
         acts = in_flight(plan, r, m) * tokens * s.act[ac]
         recompute = tokens * s.noac_max if ac != "none" else 0.0
+        if plan.document_mask:
+            acts += in_flight(plan, r, m) * tokens * document_mask_bytes(a, t.seq_len)
         logits = 0.0
         if s.last:
             acts += tokens * (_norm(a.dim) / tp + BF16 * a.dim)  # final norm, gathered head input

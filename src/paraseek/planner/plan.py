@@ -25,6 +25,9 @@ class Plan(ParallelDims):
     activation_checkpointing: str = "none"  # none | selective | full
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW states in host memory
     reshard_after_forward: bool = True  # False = ZeRO-2-like (params stay gathered between forward and backward)
+    # Packed rows with per-document attention (chat data, --doc-mask): positions, per-token RoPE tables and a
+    # FlexAttention block mask live with each micro-batch. A property of the data, not a choice the search makes.
+    document_mask: bool = False
 
     @property
     def dims(self) -> ParallelDims:

@@ -173,10 +173,11 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
 
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
-           engine_only: bool = False) -> SearchResult:
+           engine_only: bool = False, document_mask: bool = False) -> SearchResult:
     """Every mesh of c.n_gpus GPUs, its best variant, ranked by predicted tokens/s per GPU. engine_only ranks only
     what `paraseek train` runs (ParallelDims.problem with the engine's rules, the same check the CLI makes before a
-    launch); without it the planner also prices the compositions the engine does not run, and ZBVZeroBubble."""
+    launch); without it the planner also prices the compositions the engine does not run, and ZBVZeroBubble.
+    `document_mask`: the data is packed with document masks (Plan.document_mask)."""
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
     if global_batch_size <= 0:
@@ -212,7 +213,8 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
             for dp_shard in divisors(dp):
                 eps = [e for e in divisors(dp_shard) if args.n_routed_experts % e == 0] if moe else [1]
                 for ep in eps:
-                    base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep)
+                    base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,
+                                document_mask=document_mask)
                     best, closest, n, why_not = _best_of_mesh(args, c, base, seq_len, global_batch_size, engine_only)
                     res.evaluated += n
                     if best is not None:
@@ -228,10 +230,11 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
     return res
 
 
-def best_plan(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int) -> Evaluated:
+def best_plan(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int,
+              document_mask: bool = False) -> Evaluated:
     """The predicted-fastest plan that fits (what `paraseek train --plan auto` runs). Raises UserError with the
     closest miss's reason when nothing fits."""
-    res = search(args, c, seq_len, global_batch_size, engine_only=True)
+    res = search(args, c, seq_len, global_batch_size, engine_only=True, document_mask=document_mask)
     if not res.plans:
         why = res.rejected[0].reason if res.rejected else "no mesh is possible"
         raise UserError(f"no parallel plan fits {c.n_gpus} x {c.gpu.name}: closest: {why}")
@@ -248,7 +251,7 @@ class ScalingRow:
 
 
 def scaling(args: ModelArgs, c: Cluster, counts: list[int], seq_len: int, global_batch_size: int,
-            model: str = "") -> list[ScalingRow]:
+            model: str = "", document_mask: bool = False) -> list[ScalingRow]:
     """The best plan at each GPU count, same model, global batch (strong scaling) and node shape."""
     rows = []
     for n in counts:
@@ -257,7 +260,7 @@ def scaling(args: ModelArgs, c: Cluster, counts: list[int], seq_len: int, global
         if n > c.gpus_per_node and n % c.gpus_per_node:
             raise UserError(f"--scaling: {n} GPUs is not a whole number of {c.gpus_per_node}-GPU nodes")
         try:
-            res = search(args, c.with_gpus(n), seq_len, global_batch_size, model)
+            res = search(args, c.with_gpus(n), seq_len, global_batch_size, model, document_mask=document_mask)
         except UserError as e:  # e.g. the batch cannot be divided at this count: a row, not the end
             rows.append(ScalingRow(n, None, None, reason=str(e)))
             continue

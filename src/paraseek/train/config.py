@@ -46,6 +46,14 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward/backward on one rank
     data: str = "synthetic"  # synthetic | a .txt/.jsonl/.parquet file or a folder of them
     tokenizer: str = ""  # an HF tokenizer.json or a folder; "" = --init-from's if it has one, else the bundled one
+    chat_template: str = ""  # a Jinja file for chat data, replacing the tokenizer folder's template
+    pack: bool = True  # several documents per window; false: one per row, padded (train/data.py)
+    doc_mask: str = "auto"  # auto | true | false: attention inside each document; auto = on for chat data only
+    loss_on: str = "assistant"  # assistant | all | last-turn (chat data; text trains on every token)
+    overlong: str = "truncate"  # truncate | drop: a conversation longer than seq_len + 1 tokens
+    eval_data: str = ""  # held-out data (same formats) whose loss is evaluated
+    eval_every: int = 0  # evaluate every N steps (and after the last); 0 = after the last step only
+    eval_split: float = 0.0  # hold out this fraction of --data's windows as evaluation data instead
     precision: str = ""  # fp32 | bf16 | fp16; "" = bf16 on CUDA, fp32 on CPU
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
@@ -101,7 +109,7 @@ class TrainConfig:
 
         return Plan(**dataclasses.asdict(self.dims), micro_batch_size=self.micro_batch_size,
                     activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
-                    reshard_after_forward=self.reshard_after_forward)
+                    reshard_after_forward=self.reshard_after_forward, document_mask=self.doc_mask == "true")
 
     def with_plan(self, plan) -> TrainConfig:
         """This run with a planner Plan's degrees and memory settings (its schedule only when it pipelines)."""
@@ -123,6 +131,9 @@ _CHOICES = {
     "activation_checkpointing": ("none", "full", "selective"),
     "on_anomaly": ("warn", "skip", "stop"),
     "pp_schedule": SCHEDULES,
+    "doc_mask": ("auto", "true", "false"),
+    "loss_on": ("assistant", "all", "last-turn"),
+    "overlong": ("truncate", "drop"),
 }
 _AT_LEAST = {"nnodes": 1, "steps": 1, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "log_every": 1,
              "rdzv_timeout": 1}
@@ -155,7 +166,19 @@ _HELP = {
     "nproc": "processes on this node (default: one per GPU; 4 on CPU)",
     "dp_shard": "FSDP2 sharding degree (-1: the world size divided by the other degrees)",
     "dp_replicate": "data-parallel replicas: DDP when dp-shard is 1, else HSDP (all-reduce across replicas)",
-    "data": "'synthetic' or a .txt/.jsonl/.parquet file or folder of them",
+    "data": "'synthetic' or a .txt/.jsonl/.parquet file or folder of them: text (a 'text' field) or chat "
+            "('messages', or 'prompt' and 'completion'; rendered with the --tokenizer folder's chat template)",
+    "chat_template": "a Jinja chat template file used instead of the --tokenizer folder's",
+    "pack": "pack documents into --seq-len windows (chat: whole conversations, next-fit; text: the token stream cut "
+            "into windows); false: one document per row, padded",
+    "doc_mask": "attention and RoPE positions restricted to each document of a packed window (auto: true for chat "
+                "data, false for text)",
+    "loss_on": "chat data: train on the assistant turns, on every token, or on the last assistant turn only",
+    "overlong": "a conversation longer than --seq-len + 1 tokens: keep its first tokens, or drop it (counted either "
+                "way)",
+    "eval_data": "held-out data (the --data formats) whose loss and perplexity are reported",
+    "eval_every": "evaluate every N steps and after the last (0: after the last step only)",
+    "eval_split": "hold out this fraction of --data's windows (chosen by --seed) as the evaluation data",
     "loss_chunks": "compute the output head and its cross-entropy in this many row chunks (gradients on the fly): "
                    "the [tokens, vocab] logits never exist whole; 0 = off. Not with --tp (its loss is "
                    "vocab-parallel already) or --pp",
@@ -305,7 +328,17 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
 
         has_own = cfg.init_from and (Path(cfg.init_from) / "tokenizer.json").is_file()
         cfg.tokenizer = cfg.init_from if has_own else str(BUNDLED_TOKENIZER)
+    if cfg.doc_mask == "auto":  # on for packed chat data (train/data.py says why), what the planner then prices
+        cfg.doc_mask = "true" if cfg.pack and _is_chat(cfg.data) else "false"
     return cfg
+
+
+def _is_chat(data: str) -> bool:
+    if data == "synthetic" or not Path(data).exists():
+        return False  # validate says what is wrong with a missing path
+    from paraseek.train.data import data_kind, list_files
+
+    return data_kind(list_files(data)) == "chat"
 
 
 def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool = True) -> None:
@@ -377,6 +410,7 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
     _check_data_and_tokenizer(cfg, args.vocab_size)
     _check_outputs(cfg)
     check_lora(cfg, args)
+    _validate_data_flags(cfg)
 
 
 def _check_nodes(cfg: TrainConfig) -> None:
@@ -459,6 +493,26 @@ def _check_writable(what: str, path: str, folder: bool) -> None:
         raise UserError(f"{what} {path}: {ancestor} is a file, so no folder can be made there")
     if not os.access(ancestor, os.W_OK | os.X_OK) or (p.is_file() and not os.access(p, os.W_OK)):
         raise UserError(f"{what} {path}: {p if p.is_file() else ancestor} is not writable by this user")
+
+
+def _validate_data_flags(cfg: TrainConfig) -> None:
+    """The packing and evaluation flags against each other and the plan (the data itself is opened by launch)."""
+    if cfg.chat_template and not Path(cfg.chat_template).is_file():
+        raise UserError(f"--chat-template {cfg.chat_template}: no such file")
+    if not cfg.pack and cfg.doc_mask == "true":
+        raise UserError("--doc-mask true with --pack false: each row holds one document already; drop one of them")
+    if cfg.eval_data and cfg.eval_split:
+        raise UserError("give --eval-data PATH or --eval-split FRACTION, not both")
+    if not 0 <= cfg.eval_split < 1:
+        raise UserError(f"--eval-split must be a fraction in [0, 1), got {cfg.eval_split}")
+    if cfg.eval_every < 0:
+        raise UserError(f"--eval-every must be >= 0, got {cfg.eval_every}")
+    if cfg.eval_every and not (cfg.eval_data or cfg.eval_split):
+        raise UserError("--eval-every needs evaluation data: --eval-data PATH or --eval-split FRACTION")
+    if cfg.eval_data == "synthetic":
+        raise UserError("--eval-data synthetic has no end to evaluate over: give held-out files, or --eval-split")
+    if cfg.eval_data and not Path(cfg.eval_data).exists():
+        raise UserError(f"--eval-data {cfg.eval_data}: no such file or folder")
 
 
 def _powersgd_rank(text: str) -> int:

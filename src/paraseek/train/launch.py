@@ -121,7 +121,7 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
             raise UserError(f"--plan auto: no datasheet for {torch.cuda.get_device_name(0)!r}; "
                             "give a profile with --hardware (paraseek doctor --save PROFILE.json)")
         cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
-    best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size)
+    best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size, document_mask=cfg.doc_mask == "true")
     p = best.plan
     cfg = cfg.with_plan(p)
     degrees = "".join(f" {k}={v}" for k, v in (("tp", p.tp), ("ep", p.ep)) if v > 1)
@@ -138,12 +138,18 @@ def _check_data(cfg: TrainConfig) -> None:
     """Open the data in the parent: a mistake costs one line and no processes, and a corpus is tokenized once here
     (with a progress bar) into the cache the workers then read. (validate has checked the model and the plan.)"""
     from paraseek.models import resolve_model
-    from paraseek.train.data import open_dataset
+    from paraseek.train.data import open_training_data
 
-    if cfg.data != "synthetic":
+    if cfg.data != "synthetic" or cfg.eval_data:
         args, _, _ = resolve_model(cfg.init_from or cfg.model)
-        open_dataset(cfg.data, seq_len=cfg.seq_len, vocab_size=args.vocab_size, tokenizer=cfg.tokenizer or None,
-                     seed=cfg.seed)
+        train, held_out = open_training_data(cfg, args.vocab_size)
+        for what, ds in (("data", getattr(train, "dataset", train)), ("eval data", held_out)):
+            if getattr(ds, "summary", ""):  # synthetic data and an --eval-split carve-out have none of their own
+                print(f"{what}: {ds.summary}", flush=True)
+        if held_out is not None:
+            held = f" held out of --data (--eval-split {cfg.eval_split})" if cfg.eval_split else ""
+            when = f"every {cfg.eval_every} steps and after the last" if cfg.eval_every else "after the last step"
+            print(f"evaluation: {held_out.num_sequences:,} windows{held}, {when}", flush=True)
 
 
 def launch(cfg: TrainConfig) -> int:

@@ -1,10 +1,12 @@
 """The training loop, run in every worker process (train/worker.py, started by torch's launcher): the mesh
 (parallel/mesh.py), the model (train/build.py), the data and the optimizer (train/optim.py) set up once, then
-`Run.step` per optimizer step, with `make_forward_backward` running the micro-batches (pipelined or not).
+`Run.step` per optimizer step, with `ForwardBackward` running the micro-batches (pipelined or not).
 
 Loss normalization makes every data-parallel layout compute the same thing: rank r minimizes
-sum(token losses on r) / (tokens per rank per step); FSDP/DDP average gradients over the dp ranks, so the update
-is that of mean(token losses over the global batch) -- identical to one process with gradient accumulation.
+sum(token losses on r) / (trained tokens of the global batch / dp); FSDP/DDP average gradients over the dp ranks, so
+the update is that of mean(token losses over the trained tokens of the global batch) -- identical to one process with
+gradient accumulation. Where every label is trained (text, synthetic) that count is the global batch x seq_len; where
+some are not (chat roles, padding, documents' first tokens) the ranks sum their counts before the step's forward.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from paraseek.hardware.specs import peak_flops
 from paraseek.models import flops_per_token, param_counts, resolve_model
 from paraseek.models.hf import save_hf_state
 from paraseek.models.lora import is_adapter, merge_state
+from paraseek.models.loss import IGNORE_INDEX
 from paraseek.monitor.faults import FaultInjector
 from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_hosts,
                                      gather_step_times, log_event, nonfinite_report, step_time_stats)
@@ -43,7 +46,7 @@ from paraseek.parallel.tensor import full_value, loss_context, reduce_tp_grads
 from paraseek.train.build import Model, build, resume
 from paraseek.train.checkpoint import full_model_state, save_checkpoint
 from paraseek.train.config import TrainConfig, tokenizer_origin
-from paraseek.train.data import DataLoader, open_dataset
+from paraseek.train.data import DataLoader, EvalLoader, open_training_data
 from paraseek.train.moe import ExpertBalance
 from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, token_loss
 
@@ -125,12 +128,14 @@ def _memory_metrics(device: torch.device) -> dict:
 def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -> int:
     mesh = ParallelMesh(cfg.dims, device.type)
     m = build(cfg, mesh, device)  # meta -> stages -> parallelize -> materialize -> init or load
-    dataset = open_dataset(cfg.data, seq_len=cfg.seq_len, vocab_size=m.args.vocab_size,
-                           tokenizer=cfg.tokenizer or None, seed=cfg.seed)
+    dataset, held_out = open_training_data(cfg, m.args.vocab_size)
     loader = DataLoader(dataset, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
                         dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp)
     optimizer = build_optimizer(m.params, cfg, device)
     run = Run(cfg, mesh, m, loader, optimizer, device, recorder)
+    if held_out is not None:  # pipelined, each call of the schedule takes grad_accum_steps micro-batches
+        run.eval_loader = EvalLoader(held_out, micro_batch_size=cfg.micro_batch_size, dp_rank=mesh.dp_rank,
+                                     dp_size=mesh.dims.dp, multiple=cfg.grad_accum_steps if mesh.pp else 1)
     run.start_step = resume(cfg, m.inner, optimizer, loader, run.is_main)
     run.print_header()
     run.profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, run.rank, first_step=run.start_step + 1) \
@@ -169,7 +174,9 @@ class Run:
         self.experts = ExpertBalance(cfg, m.inner, m.parts, m.stage_ids, mesh, device) if m.args.n_routed_experts \
             else None
         self.faults = FaultInjector(cfg.inject_fault, self.rank)
-        self.forward_backward = make_forward_backward(cfg, m, mesh, device, self.faults, self.experts, self.scaler)
+        self.forward_backward = ForwardBackward(cfg, m, mesh, device, self.faults, self.experts, self.scaler,
+                                                loader.dataset.every_label_counts)
+        self.eval_loader: EvalLoader | None = None
         self.health, self.stragglers, self.hosts = HealthMonitor(), StragglerDetector(self.world), gather_hosts()
         self.logger = MetricsLogger(enabled=self.is_main, total_steps=cfg.steps, jsonl=cfg.metrics_jsonl,
                                     tensorboard=cfg.tensorboard, log_every=cfg.log_every,
@@ -214,6 +221,8 @@ class Run:
                 self.logger.event("model_state", step, detail="bytes per rank", **layout)
         optimizer.zero_grad(set_to_none=True)
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
+        if self.eval_loader is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+            self.evaluate(step)
         if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
             config = dataclasses.asdict(cfg)
             if self.m.lora:  # the adapters only: the base is read back from --init-from, wherever export runs
@@ -223,6 +232,30 @@ class Run:
                                    model_keys=is_adapter if self.m.lora else None)
             if self.is_main:
                 print(f"checkpoint: {path}", flush=True)
+
+    def evaluate(self, step: int) -> None:
+        """The loss over every trained token of the evaluation data (and its perplexity), the same for any layout:
+        each rank sums its share's token losses and counts, then one all-reduce (EvalLoader says why the shares
+        add up to the whole set). Console, JSONL ({"event": "eval", ...}) and TensorBoard (eval/loss,
+        eval/perplexity)."""
+        t0 = time.perf_counter()
+        loss_sum, tokens = self.forward_backward.evaluate(self.eval_loader.batches())
+        dims = self.mesh.dims
+        # The loss lives on the last pipeline stage, alike on its tp ranks; the counts on every rank of a dp rank.
+        totals = torch.tensor([loss_sum, tokens], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        loss_sum, tokens = totals[0].item() / dims.tp, int(totals[1].item()) // (dims.tp * dims.pp)
+        loss = loss_sum / max(tokens, 1)
+        ppl = math.exp(loss) if loss < 700 else math.inf
+        if self.is_main:
+            seconds = time.perf_counter() - t0
+            self.logger.event("eval", step, detail=f"{tokens:,} tokens", eval_loss=loss, eval_ppl=ppl,
+                              eval_tokens=tokens, eval_time_s=seconds)
+            if self.logger.tb:
+                self.logger.tb.add_scalar("eval/loss", loss, step)
+                self.logger.tb.add_scalar("eval/perplexity", ppl, step)
+            print(f"eval  {step:>5}/{self.cfg.steps} | loss {loss:.4f} | ppl {ppl:,.2f} | {tokens:,} tokens | "
+                  f"{seconds * 1e3:,.0f} ms", flush=True)
 
     def _health(self, step: int, loss: float, grad_norm: float) -> str:
         """NaN, loss spike and grad-norm explosion: logged, and what --on-anomaly does about them (stop raises)."""
@@ -315,69 +348,116 @@ def data_line(cfg: TrainConfig, dataset) -> str:
     """The header's first line: which data, which tokenizer (never chosen silently), how many tokens and
     sequences, and how many epochs the run's steps make of them."""
     used = cfg.steps * cfg.global_batch_size  # sequences the whole run reads
+    whole = getattr(dataset, "dataset", dataset)  # an --eval-split Subset: the corpus it was carved from
     if dataset.num_sequences is None:
         return (f"data: synthetic (random token ids below vocab_size {dataset.vocab_size:,}; no tokenizer) | "
                 f"{cfg.steps} steps x {cfg.global_batch_size} sequences of {cfg.seq_len} tokens = {used:,} sequences")
-    return (f"data: {dataset.source} | tokenizer: {tokenizer_origin(cfg)} ({dataset.tokenizer_vocab:,} tokens) | "
-            f"{dataset.num_tokens:,} tokens = {dataset.num_sequences:,} sequences of {cfg.seq_len} + 1 | "
+    return (f"data: {whole.source} | tokenizer: {tokenizer_origin(cfg)} ({whole.tokenizer_vocab:,} tokens) | "
+            f"{whole.num_tokens:,} tokens = {dataset.num_sequences:,} sequences of {cfg.seq_len} + 1 | "
             f"{cfg.steps} steps x {cfg.global_batch_size} sequences = {used / dataset.num_sequences:.2f} epochs")
 
 
-def make_forward_backward(cfg: TrainConfig, m: Model, mesh: ParallelMesh, device: torch.device,
-                          faults: FaultInjector, experts: ExpertBalance | None, scaler):
-    """The step's forward and backward of every micro-batch, one function whichever way they run:
-    (micro_batches, step) -> this rank's sum of their losses, each normalized by the tokens per rank and step (the
+class ForwardBackward:
+    """The step's forward and backward of every micro-batch, one call whichever way they run:
+    (micro_batches, step) -> this rank's sum of their losses, each normalized by the trained tokens per dp rank (the
     module docstring says why). Pipelined, torch's schedule runs them; otherwise one after the other, the gradients
-    accumulating (under DDP synchronized in the last one only)."""
-    per_rank_tokens = cfg.global_batch_size * cfg.seq_len // mesh.dims.dp
-    tp = mesh.tp is not None
-    if mesh.pp is not None:
-        current = {"step": 0}  # the schedule calls the loss; the fault drills need the step
+    accumulating (under DDP synchronized in the last one only). `evaluate(micro_batches)`: forward only, (this
+    rank's summed token loss, its trained tokens)."""
 
-        def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return faults.loss_hook(current["step"], token_loss(logits, labels) / per_rank_tokens)
+    def __init__(self, cfg: TrainConfig, m: Model, mesh: ParallelMesh, device: torch.device, faults: FaultInjector,
+                 experts: ExpertBalance | None, scaler, every_label_counts: bool = True):
+        self.cfg, self.m, self.mesh, self.device = cfg, m, mesh, device
+        self.faults, self.experts, self.scaler = faults, experts, scaler
+        self.every_label_counts = every_label_counts
+        self.tp = mesh.tp is not None
+        self.pipe = None
+        self.current = {"step": 0, "norm": 1.0, "eval": False}  # what the schedule's loss function needs
+        if mesh.pp is not None:
+            self.pipe = Pipeline(m.parts, m.stage_ids, len(m.specs), cfg.pp_schedule, cfg.grad_accum_steps,
+                                 self._pipeline_loss, device, mesh.pp_group, m.seq_shards)
+        # Compiled, the fp32 cast, log-softmax and gather of the [tokens, vocab] logits fuse (no fp32 copies of them).
+        self.loss_fn = torch.compile(token_loss) if cfg.compile and not self.tp else token_loss
+        # DDP has no mixed-precision policy of its own: autocast keeps fp32 master weights and bf16/fp16 compute.
+        ddp = mesh.dims.ddp
+        self.autocast = (lambda: torch.autocast(device.type, dtype=DTYPES[cfg.precision])) \
+            if ddp and cfg.precision != "fp32" else nullcontext
 
-        pipe = Pipeline(m.parts, m.stage_ids, len(m.specs), cfg.pp_schedule, cfg.grad_accum_steps, pipeline_loss,
-                        device, mesh.pp_group, m.seq_shards)
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.current["eval"]:
+            return token_loss(logits, labels)
+        return self.faults.loss_hook(self.current["step"], token_loss(logits, labels) / self.current["norm"])
 
-        def pipelined(micro_batches: list, step: int) -> torch.Tensor:
-            current["step"] = step
-            inputs_BT = torch.cat([x for x, _ in micro_batches]).to(device, non_blocking=True)
-            labels_BT = torch.cat([y for _, y in micro_batches]).to(device, non_blocking=True)
-            loss_sum = torch.zeros((), device=device)
-            with loss_context(tp):
-                for loss in pipe.step(inputs_BT, labels_BT):
-                    loss_sum += full_value(loss).detach()
-            if experts is not None:
-                experts.after_schedule()
-            return loss_sum
+    def tokens_per_rank(self, micro_batches: list) -> float:
+        """The step's loss normalizer: trained labels of the global batch / dp (at least one: a step without any
+        trained token then has loss 0 and no gradient instead of NaN)."""
+        cfg, dp = self.cfg, self.mesh.dims.dp
+        if self.every_label_counts:
+            return cfg.global_batch_size * cfg.seq_len // dp
+        local = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        return max(self.mesh.dp_sum(local), 1) / dp
 
-        return pipelined
+    def __call__(self, micro_batches: list, step: int) -> torch.Tensor:
+        norm = self.tokens_per_rank(micro_batches)
+        return self._pipelined(micro_batches, step, norm) if self.pipe else self._one_by_one(micro_batches, step, norm)
 
-    model, ddp = m.model, mesh.dims.ddp
-    # Compiled, the fp32 cast, log-softmax and gather of the [tokens, vocab] logits fuse (no fp32 copies of them).
-    loss_fn = torch.compile(token_loss) if cfg.compile and not tp else token_loss
-    # DDP has no mixed-precision policy of its own: autocast keeps fp32 master weights and bf16/fp16 compute.
-    autocast = torch.autocast(device.type, dtype=DTYPES[cfg.precision]) if ddp and cfg.precision != "fp32" \
-        else nullcontext()
+    def _batch(self, mb: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        inputs, labels, *positions = (x.to(self.device, non_blocking=True) for x in mb)
+        return inputs, labels, positions[0] if positions else None
 
-    def one_by_one(micro_batches: list, step: int) -> torch.Tensor:
-        loss_sum = torch.zeros((), device=device)
-        for i, (inputs, labels) in enumerate(micro_batches):
-            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+    def _pipelined(self, micro_batches: list, step: int, norm: float) -> torch.Tensor:
+        self.current.update(step=step, norm=norm, eval=False)
+        inputs_BT, labels_BT, positions_BT = self._batch(tuple(torch.cat(x) for x in zip(*micro_batches)))
+        loss_sum = torch.zeros((), device=self.device)
+        with loss_context(self.tp):
+            for loss in self.pipe.step(inputs_BT, labels_BT, positions_BT):
+                loss_sum += full_value(loss).detach()
+        if self.experts is not None:
+            self.experts.after_schedule()
+        return loss_sum
+
+    def _one_by_one(self, micro_batches: list, step: int, norm: float) -> torch.Tensor:
+        cfg, model, scaler, ddp = self.cfg, self.m.model, self.scaler, self.mesh.dims.ddp
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro_batches):
+            inputs, labels, positions = self._batch(mb)
             last = i == len(micro_batches) - 1
             # Under TP the logits stay vocab-sharded: loss_parallel computes the cross-entropy without gathering them.
-            with (model.no_sync() if ddp and not last else nullcontext()), autocast, loss_context(tp):
+            with (model.no_sync() if ddp and not last else nullcontext()), self.autocast(), loss_context(self.tp):
                 if cfg.loss_chunks:
-                    token_losses = model(inputs, labels, cfg.loss_chunks)
+                    token_losses = model(inputs, labels, cfg.loss_chunks, positions_BT=positions)
                 else:
-                    token_losses = loss_fn(model(inputs), labels)
-                loss = faults.loss_hook(step, token_losses / per_rank_tokens)
+                    token_losses = self.loss_fn(model(inputs, positions_BT=positions), labels)
+                loss = self.faults.loss_hook(step, token_losses / norm)
                 (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += full_value(loss).detach()
-            if experts is not None:
-                experts.after_micro_batch()
+            if self.experts is not None:
+                self.experts.after_micro_batch()
             del token_losses, loss
         return loss_sum
 
-    return one_by_one
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list) -> tuple[float, int]:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        if self.pipe is not None:
+            self.current["eval"] = True
+            n = self.cfg.grad_accum_steps  # micro-batches per call of the schedule
+            try:
+                for k in range(0, len(micro_batches), n):
+                    batch = self._batch(tuple(torch.cat(x) for x in zip(*micro_batches[k:k + n])))
+                    with loss_context(self.tp):
+                        for loss in self.pipe.eval(*batch):
+                            loss_sum += full_value(loss).double()
+            finally:
+                self.current["eval"] = False
+            return loss_sum.item(), tokens
+        for mb in micro_batches:
+            inputs, labels, positions = self._batch(mb)
+            with self.autocast(), loss_context(self.tp):
+                if self.cfg.loss_chunks:
+                    loss = self.m.model(inputs, labels, self.cfg.loss_chunks, positions_BT=positions)
+                else:
+                    loss = self.loss_fn(self.m.model(inputs, positions_BT=positions), labels)
+            loss_sum += full_value(loss).double()
+        return loss_sum.item(), tokens
+
