@@ -3,7 +3,8 @@
     python scripts/planner/compiled_fit.py                 # the errors of planner/cost.py's constants, run by run
     python scripts/planner/compiled_fit.py --fit           # refit COMPILE_GEMM_GAIN, COMPILE_ELEM_TRAFFIC and
                                                            # COMPILE_SINGLE_RANK on the 'fit' runs (grid search)
-    python scripts/planner/compiled_fit.py --predictions benchmarks/predictions/compiled-oos.json
+
+The out-of-sample predictions for runs not measured yet: scripts/planner/oos.py.
 
 RUNS holds every compiled `paraseek bench` run recorded in benchmarks/2026-11-30/*.json (and the 1-GPU run of
 issue #17), read from the JSON files, each marked with its use:
@@ -162,7 +163,6 @@ def fit(runs: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fit", action="store_true", help="refit the compile constants on the 'fit' runs")
-    p.add_argument("--predictions", metavar="FILE.json", help="write the out-of-sample predictions (OOS list)")
     ns = p.parse_args()
     runs = [load(s) for s in RUNS]
     if ns.fit:
@@ -182,10 +182,6 @@ def main() -> None:
     for r in runs:
         if r["use"].startswith("excluded"):
             print(f"  {r['source'][:22]:22s} {r['name'][:52]:52s} {r['use'][10:]}")
-    if ns.predictions:
-        from oos import write_predictions
-
-        write_predictions(Path(ns.predictions))
 
 
 if __name__ == "__main__":
