@@ -102,15 +102,14 @@ def write(path: Path) -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True, cwd=ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         models = models_folder(Path(tmp))
-        runs = [{"name": name, "gpus": n, "command": command(n, seq, flags), "predicted": predict(command(n, seq, flags),
-                                                                                                  models)}
-                for name, n, seq, flags in OOS]
+        runs = [{"name": name, "gpus": n, "command": command(n, seq, flags),
+                 "predicted": predict(command(n, seq, flags), models)} for name, n, seq, flags in OOS]
     doc = {"what": "planner predictions for compiled runs outside every fit (scripts/planner/compiled_fit.py), "
                    "written before they ran; check them with scripts/planner/oos.py --run",
            "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "planner_commit": commit.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else ""),
            "machine": "nvidia-h200-x2 (2x H200, 2 GPUs per node; the 1-GPU runs use one of them)",
-           "measured_memory": "torch.cuda.max_memory_allocated, compared with the planner's total as BENCHMARKS.md does",
+           "measured_memory": "torch.cuda.max_memory_allocated, against the planner's total as BENCHMARKS.md compares",
            "models": "{models}/v2lite14: deepseek-v2-lite's config with num_hidden_layers 14 (oos.py writes it)",
            "runs": runs}
     path.parent.mkdir(parents=True, exist_ok=True)

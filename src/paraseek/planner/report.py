@@ -136,7 +136,7 @@ def print_search(res: SearchResult, top: int) -> None:
         con.print(t)
         if any(e.tight for e in shown):
             con.print(f"!: above the {MEMORY_HEADROOM:.0%} memory headroom: the caching allocator fragments there "
-                      "(measured: such runs lost 14-29%)", markup=False, highlight=False)
+                      "(measured on H200: such runs lost 13-29%)", markup=False, highlight=False)
         best = res.plans[0]
         mem = _table(f"#1 memory, peak at {best.memory.phase}", ("item", "GiB/GPU"))
         for k, v in best.memory.items.items():
@@ -170,7 +170,8 @@ def print_search(res: SearchResult, top: int) -> None:
 
 
 # ---- inference ---------------------------------------------------------------------------------------------------
-def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], weight_dtype: str = "bf16") -> dict[str, Any]:
+def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan],
+               weight_dtype: str = "bf16") -> dict[str, Any]:
     fits = [r for r in rows if not r.reason]
     fits.sort(key=lambda r: -r.decode_tokens_per_s_per_gpu)
 
