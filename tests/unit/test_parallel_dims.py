@@ -100,3 +100,40 @@ def test_config_and_plan_translate_both_ways():
     assert got == (2, "Interleaved1F1B", 2, 1, True)
     assert back.to_plan() == piped
     assert cfg.with_plan(plan) == cfg  # pp = 1: the config's own schedule flag stays
+
+
+@pytest.mark.parametrize("changes,tp,words", [
+    ({"intermediate_size": 178}, 4, "intermediate_size = 178"),  # tiny-moe's first layer is dense: F / tp columns
+    ({"moe_intermediate_size": 30}, 4, "shared-expert width"),  # shared experts are column-parallel like the MLP
+    ({"vocab_size": 2050}, 4, "vocab_size = 2050"),  # vocab-parallel embedding and head
+])
+def test_tp_must_divide_every_sharded_width(changes, tp, words):
+    """parallel/tensor.py shards heads, the dense FFN width, the shared experts and the vocabulary: tp must divide
+    each; the routed experts are replicated over tp (so their width is free)."""
+    args = ModelArgs.from_hf_config({**preset_config("tiny-moe"), **changes})
+    with pytest.raises(UserError, match=words):
+        check_tensor_parallel(args, tp)
+    check_tensor_parallel(args, 2)  # 2 divides all of them
+
+
+def test_expert_parallel_rules():
+    args = ModelArgs.from_hf_config(preset_config("tiny-moe"))  # 8 routed experts
+    with pytest.raises(UserError, match="routed experts; ep must divide them"):
+        ParallelDims(dp_shard=6, ep=3).check(args, 64)
+    with pytest.raises(UserError, match="must divide --dp-shard"):
+        ParallelDims(dp_shard=2, ep=4).check(args, 64)
+    dense = ModelArgs.from_hf_config(preset_config("tiny-dense"))
+    with pytest.raises(UserError, match="0 routed experts"):
+        ParallelDims(dp_shard=2, ep=2).check(dense, 64)
+    ParallelDims(dp_shard=4, ep=4).check(args, 64)
+
+
+def test_plan_carries_compile_and_precision_to_train_and_back():
+    cfg = TrainConfig(nproc=2, dp_shard=2, micro_batch_size=2, activation_checkpointing="selective", compile=True,
+                      precision="fp16")
+    plan = cfg.to_plan()
+    assert (plan.compile, plan.precision) == (True, "fp16")
+    assert "--compile" in plan.flags() and "--precision fp16" in plan.flags()
+    assert cfg.with_plan(plan) == cfg
+    bf16 = TrainConfig(nproc=2, dp_shard=2)  # precision "" (bf16 on GPUs): a bf16 plan leaves it as it is
+    assert bf16.with_plan(bf16.to_plan()).precision == ""

@@ -241,8 +241,9 @@ def test_deepseek_v3_fits_2048_h800_and_the_search_is_complete():
     best = res.plans[0]
     assert best.plan.world == 2048 and best.memory.total <= c.memory_gib * GiB
     assert 0 < best.mfu < 1
-    speeds = [e.tokens_per_s_per_gpu for e in res.plans]
-    assert speeds == sorted(speeds, reverse=True)
+    # ranked: plans with memory headroom first, each group fastest first
+    keys = [(not e.tight, e.tokens_per_s_per_gpu) for e in res.plans]
+    assert keys == sorted(keys, reverse=True)
 
 
 def test_deepseek_llm_7b_on_one_a100_needs_cpu_offload():
@@ -255,8 +256,12 @@ def test_deepseek_llm_7b_on_one_a100_needs_cpu_offload():
 
 
 def test_deepseek_llm_7b_on_8_h100_is_in_a_plausible_mfu_range():
-    best = best_plan(model("deepseek-llm-7b"), make_cluster("H100", 8), 4096, 256)
-    assert 0.35 <= best.mfu <= 0.60
+    c = make_cluster("H100", 8)
+    eager = best_plan(model("deepseek-llm-7b"), c, 4096, 256, compile=False)
+    assert 0.35 <= eager.mfu <= 0.60
+    # compiled: faster than eager, and never above the GEMM ceiling (0.80 of the datasheet peak on Hopper)
+    compiled = best_plan(model("deepseek-llm-7b"), c, 4096, 256)
+    assert compiled.plan.compile and eager.mfu < compiled.mfu < c.matmul_tflops / c.peak_tflops
 
 
 # ---- inference ---------------------------------------------------------------------------------------------------
@@ -279,7 +284,7 @@ def test_inference_v3_on_one_h200_node_fits_in_fp8_not_bf16():
 
 # ---- scaling, profile ----------------------------------------------------------------------------------------------
 def test_scaling_rows_and_efficiency():
-    rows = scaling(model("deepseek-llm-7b"), make_cluster("H100", 8), [8, 16, 64, 512], 4096, 512)
+    rows = scaling(model("deepseek-llm-7b"), make_cluster("H100", 8), [8, 16, 64, 512], 4096, 512, weak=False)
     assert [r.gpus for r in rows] == [8, 16, 64, 512]
     assert rows[0].efficiency == 1.0
     assert all(r.best is not None for r in rows)
@@ -302,7 +307,11 @@ def test_profile_overrides_datasheet_rates(tmp_path):
                                 "inter_node_busbw_gbps": 20.0}))
     c = load_profile(path)
     assert (c.gpu.name, c.n_gpus, c.gpus_per_node, c.memory_gib) == ("H200", 16, 8, 139.8)
-    assert (c.matmul_tflops, c.intra_busbw_gbps, c.inter_busbw_gbps) == (700.0, 300.0, 20.0)
+    assert (c.matmul_tflops, c.intra_busbw_gbps) == (700.0, 300.0)
+    # The doctor's inter-node number is an all-reduce over all 16 GPUs: a flat ring over 8 GPUs per node, priced back
+    # at what was measured, while a group with one GPU per node (HSDP's replicas) gets one GPU's share of the NICs.
+    assert c.busbw(stride=1, size=16)[0] == pytest.approx(20.0e9)
+    assert c.busbw(stride=8, size=2)[0] == pytest.approx(20.0e9 / 8)
     slower = evaluate(model("deepseek-llm-7b"), c, Plan(dp_shard=16), 4096, 64)
     faster = evaluate(model("deepseek-llm-7b"), make_cluster("H200", 16), Plan(dp_shard=16), 4096, 64)
     assert slower.time.total > faster.time.total
@@ -333,14 +342,14 @@ def test_json_has_the_promised_fields_best_first():
         assert p["dp_replicate"] * p["dp_shard"] * p["tp"] * p["pp"] == 16
         assert p["command"].startswith("paraseek train --model deepseek-v2-lite --nnodes 2")
         assert sum(p["memory_breakdown"].values()) == pytest.approx(p["memory_gib_per_gpu"], abs=0.01)
-    speeds = [p["tokens_per_s_per_gpu"] for p in doc["plans"]]
-    assert speeds == sorted(speeds, reverse=True)
+    keys = [(not p["above_memory_headroom"], p["tokens_per_s_per_gpu"]) for p in doc["plans"]]
+    assert keys == sorted(keys, reverse=True)
 
 
 def test_text_report_and_infer_mode_run():
     rc, out = run_plan_cli("--model", "deepseek-llm-7b", "--gpus", "8", "--gpu-type", "A100-80GB",
                            "--global-batch-size", "64")
-    assert rc == 0 and "fastest plans" in out and "paraseek train" in out
+    assert rc == 0 and "best variant of each mesh" in out and "why #1:" in out and "paraseek train" in out
     rc, out = run_plan_cli("--model", "deepseek-v2-lite", "--gpus", "8", "--gpu-type", "H200", "--mode", "infer",
                            "--json")
     doc = json.loads(out)

@@ -6,6 +6,7 @@ Peaks are dense (no 2:4 sparsity) tensor-core rates; bandwidths are per directio
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from paraseek.errors import UserError
@@ -33,21 +34,37 @@ GPU_SPECS: dict[str, GPUSpec] = {
         GPUSpec("H800", 79.6, 989.0, 989.0, 3350, 200, 64, 2048),  # export variant: NVLink 400 GB/s bidirectional
         GPUSpec("H20", 95.6, 148.0, 148.0, 4000, 450, 64, 2048),
         GPUSpec("A100-40GB", 39.4, 312.0, 312.0, 1555, 300, 32, 1024),
-        GPUSpec("A100-80GB", 79.1, 312.0, 312.0, 2039, 300, 32, 1024),
+        # DGX A100 640GB: 8 x A100-80GB with 2 TB of system memory (the 320GB model, of 40GB cards: 1 TB)
+        GPUSpec("A100-80GB", 79.1, 312.0, 312.0, 2039, 300, 32, 2048),
         GPUSpec("A800", 79.1, 312.0, 312.0, 2039, 200, 32, 1024),
         GPUSpec("L40S", 44.4, 362.0, 362.0, 864, 0, 32, 512),
         GPUSpec("RTX4090", 23.6, 165.0, 165.0, 1008, 0, 32, 256),  # 4th-gen tensor cores, fp32 accumulate
-        GPUSpec("V100-32GB", 31.7, 125.0, 125.0, 900, 150, 16, 512, has_bf16=False),  # no bf16: fp16 + loss scaling
+        # No bf16 tensor cores (sm70 / sm75): fp16 compute with dynamic loss scaling; "bf16_tflops" is the fp16 rate.
+        GPUSpec("V100-32GB", 31.7, 125.0, 125.0, 900, 150, 16, 512, has_bf16=False),  # SXM2, NVLink2 6 links
+        GPUSpec("V100-16GB", 15.8, 125.0, 125.0, 900, 150, 16, 512, has_bf16=False),
+        GPUSpec("T4", 15.0, 65.0, 65.0, 320, 0, 16, 256, has_bf16=False),  # 70 W PCIe card, GDDR6
     ]
 }
+# Names that stand for one of the types above; the planner says which it took (resolve_gpu_type).
+ALIASES = {"V100": ("V100-32GB", "--gpu-type V100 taken as V100-32GB; use V100-16GB for the 16 GB card")}
+
+
+def resolve_gpu_type(name: str) -> tuple[GPUSpec, str]:
+    """(spec, note) of a planner GPU type name (case-insensitive): the note says which type an alias was taken as
+    ("" for an exact name)."""
+    for key, spec in GPU_SPECS.items():
+        if key.lower() == name.lower():
+            return spec, ""
+    for key, (target, note) in ALIASES.items():
+        if key.lower() == name.lower():
+            return GPU_SPECS[target], note
+    raise UserError(f"unknown GPU type {name!r}; known: {', '.join([*GPU_SPECS, *ALIASES])} (or pass --hardware "
+                    "PROFILE.json)")
 
 
 def gpu_spec(name: str) -> GPUSpec:
-    """Look a GPU type up by its planner name (case-insensitive)."""
-    for key, spec in GPU_SPECS.items():
-        if key.lower() == name.lower():
-            return spec
-    raise UserError(f"unknown GPU type {name!r}; known: {', '.join(GPU_SPECS)} (or pass --hardware PROFILE.json)")
+    """Look a GPU type up by its planner name (case-insensitive), aliases included."""
+    return resolve_gpu_type(name)[0]
 
 
 def spec_for_device_name(device_name: str) -> GPUSpec | None:
@@ -70,7 +87,9 @@ def spec_for_device_name(device_name: str) -> GPUSpec | None:
     if "4090" in n:
         return GPU_SPECS["RTX4090"]
     if "V100" in n:
-        return GPU_SPECS["V100-32GB"]
+        return GPU_SPECS["V100-16GB"] if "16GB" in n else GPU_SPECS["V100-32GB"]
+    if re.search(r"\bT4\b", n):
+        return GPU_SPECS["T4"]
     return None
 
 

@@ -20,17 +20,24 @@ def register(subparsers) -> None:
                    help="a hardware profile from `paraseek doctor --save` (measured rates override datasheet ones)")
     p.add_argument("--gpus", type=int, help="number of GPUs (overrides the profile's nodes x gpus_per_node)")
     p.add_argument("--gpu-type", help="GPU type without a profile: H100, H100-PCIe, H200, H800, H20, A100-40GB, "
-                   "A100-80GB, A800, L40S, RTX4090, V100-32GB")
+                   "A100-80GB, A800, L40S, RTX4090, V100-32GB, V100-16GB (V100 = V100-32GB), T4")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: 8, or --gpus if fewer)")
     p.add_argument("--inter-node-gbps", type=float,
                    help="inter-node bandwidth per GPU in GB/s (NIC line rate / 8: 400 Gb/s IB per GPU = 50)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--global-batch-size", type=int,
-                   help="sequences per optimizer step (training: required); inference: the concurrency to price")
+                   help="sequences per optimizer step (training: required); inference: the batch of concurrent "
+                   "sequences per model copy to price (one that does not fit is reported, not capped)")
     p.add_argument("--mode", default="train", help="train (default) or infer")
-    p.add_argument("--weight-dtype", default="bf16", help="inference weights: bf16 (default) or fp8")
+    p.add_argument("--weight-dtype", help="inference weights: bf16 (the default where the GPU has it), fp16 (the "
+                   "default on V100 and T4) or fp8")
+    p.add_argument("--compile", default="auto", help="train plans: auto (default: compiled wherever `paraseek train "
+                   "--compile` runs the plan), true (compiled only) or false (eager only)")
     p.add_argument("--top", type=int, default=10, help="plans to show (0 = all; default 10)")
-    p.add_argument("--scaling", metavar="N,N,...", help="predict the best plan's tokens/s/GPU at each GPU count")
+    p.add_argument("--scaling", metavar="N,N,...", help="predict the first-ranked plan's tokens/s/GPU at each GPU "
+                   "count: weak scaling (the first count's per-GPU batch kept, as `paraseek bench --scaling`)")
+    p.add_argument("--strong", action="store_true", help="with --scaling: keep the global batch instead (strong "
+                   "scaling)")
     p.add_argument("--plot", metavar="FILE.png", help="with --scaling: write a plot (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--doc-mask", action="store_true",
@@ -80,41 +87,50 @@ def run_plan(ns: argparse.Namespace) -> int:
         raise UserError(f"--top must be >= 0, got {ns.top}")
     if ns.plot and not ns.scaling:
         raise UserError("--plot draws the --scaling curve; add --scaling 8,16,...")
+    if ns.strong and not ns.scaling:
+        raise UserError("--strong goes with --scaling 8,16,...")
+    compile_modes = {"auto": None, "true": True, "false": False}
+    if ns.compile not in compile_modes:
+        raise UserError(f"--compile {ns.compile!r}: expected auto, true or false")
+    compile = compile_modes[ns.compile]
     args, _, _ = resolve_model(ns.model)
     cluster = _cluster(ns)
     if ns.global_batch_size is not None and ns.global_batch_size <= 0:
         raise UserError(f"--global-batch-size must be positive, got {ns.global_batch_size}")
 
     if ns.mode == "infer":
-        if ns.weight_dtype not in WEIGHT_BYTES:
-            raise UserError(f"--weight-dtype {ns.weight_dtype!r}: expected {' or '.join(WEIGHT_BYTES)}")
+        weight_dtype = ns.weight_dtype or ("bf16" if cluster.gpu.has_bf16 else "fp16")
+        if weight_dtype not in WEIGHT_BYTES:
+            raise UserError(f"--weight-dtype {weight_dtype!r}: expected {', '.join(WEIGHT_BYTES)}")
+        if weight_dtype == "bf16" and not cluster.gpu.has_bf16:
+            raise UserError(f"--weight-dtype bf16: {cluster.gpu.name} has no bf16; use --weight-dtype fp16")
         if ns.seq_len > args.max_seq_len:
             raise UserError(f"--seq-len {ns.seq_len} exceeds the model's max_position_embeddings {args.max_seq_len}")
-        rows = plan_inference(args, cluster, ns.seq_len, ns.global_batch_size, ns.weight_dtype)
+        rows = plan_inference(args, cluster, ns.seq_len, ns.global_batch_size, weight_dtype)
         if ns.json:
-            print(json.dumps(report.infer_json(ns.model, cluster, ns.seq_len, rows), indent=2))
+            print(json.dumps(report.infer_json(ns.model, cluster, ns.seq_len, rows, weight_dtype), indent=2))
         else:
-            report.print_infer(ns.model, cluster, ns.seq_len, rows, args.max_seq_len)
+            report.print_infer(ns.model, cluster, ns.seq_len, rows, args.max_seq_len, weight_dtype)
         return 0
 
     if ns.global_batch_size is None:
         raise UserError("--global-batch-size is required for training plans (sequences per optimizer step)")
     if ns.scaling:
         rows = scaling(args, cluster, _counts(ns.scaling), ns.seq_len, ns.global_batch_size, ns.model,
-                       document_mask=ns.doc_mask)
+                       weak=not ns.strong, engine_only=not ns.all_dims, compile=compile, document_mask=ns.doc_mask)
         if ns.plot:
             report.plot_scaling(rows, ns.plot, f"{ns.model} on {cluster.gpu.name}, seq {ns.seq_len}, "
                                 f"global batch {ns.global_batch_size} (predicted)")
         if ns.json:
-            print(json.dumps(report.scaling_json(ns.model, rows), indent=2))
+            print(json.dumps(report.scaling_json(ns.model, rows, weak=not ns.strong), indent=2))
         else:
-            report.print_scaling(ns.model, rows, cluster, ns.seq_len, ns.global_batch_size)
+            report.print_scaling(ns.model, rows, cluster, ns.seq_len, ns.global_batch_size, weak=not ns.strong)
             if ns.plot:
                 print(f"plot: {ns.plot}")
         return 0
 
     res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model, engine_only=not ns.all_dims,
-                 document_mask=ns.doc_mask)
+                 compile=compile, document_mask=ns.doc_mask)
     if ns.json:
         print(json.dumps(report.search_json(res, ns.top), indent=2))
     else:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paraseek.planner.memory import BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, hot_ranks, rank_shares
+from paraseek.planner.memory import (BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, compiled_loss, hot_ranks,
+                                     rank_shares)
 from paraseek.planner.plan import Cluster, Plan
 
 ALPHA_INTRA_S, ALPHA_INTER_S = 10e-6, 20e-6  # per collective: launch + latency (inter-node grows with log2 n)
@@ -30,7 +31,13 @@ LOSS_TRAFFIC = 16.0  # HBM bytes per logit for the cross-entropy forward and bac
 # FSDP2's own work per unsharded param per gather and per reduce (casts, copy-in/out, fp32 reduce buffers), as HBM
 # bytes: ~12 ns/param per micro-batch on 2 H200s (paraseek train, 7B, BENCHMARKS.md); on one GPU it is twice that.
 FSDP_COPY_BYTES = (10.0, 30.0)
-OPTIM_BYTES = 48.0  # HBM bytes per local param: fused AdamW + grad-norm clipping (7B on one H200: 82 ms)
+# HBM bytes per local param of the optimizer step: fused AdamW with the clip folded into its kernel (train/optim.py,
+# since e11229f). Fitted as 48 B when the clip was a pass of its own (7B on one H200: 82 ms), which read and wrote
+# every fp32 gradient (8 B) that the folded clip does not.
+OPTIM_BYTES = 40.0
+# fp16 (GradScaler): unscale_ reads and writes the grads, and the clip is a pass of its own again (no grad_scale
+# handed to the fused kernel with a scaler): 2 x 8 B more. From the code, not measured.
+FP16_OPTIM_EXTRA_BYTES = 16.0
 FULL_AC_RECOMPUTE = 1.2  # full checkpointing's extra forward: +18% on a 7B layer, +34% on a V2-Lite MoE layer
 CPU_ADAM_GBPS = 50.0  # host bytes/s per node a CPU AdamW sustains (offload), shared by the node's ranks
 CPU_ADAM_BYTES = 28.0  # read param, grad, 2 moments; write param, 2 moments (fp32)
@@ -55,6 +62,22 @@ HOST_EP_S = 9.6e-3  # per MoE block with EP: split sizes to the host (a sync per
 HOST_AC_FACTOR = {"none": 1.0, "full": 4 / 3, "selective": 1.55}
 HOST_TP_FACTOR = 3.66  # DTensor dispatch on every op of a tensor-parallel block
 
+# torch.compile (--compile): every block one graph (parallel/parallelize.py), the loss too without tp/pp
+# (train/loop.py). Fitted to the compiled runs of the current engine (docs/planner.md, "torch.compile": which runs,
+# which were held out, the errors; scripts/planner/compiled_fit.py refits them):
+# linears and routed experts reach this factor more of their eager in-training rate: 0.73 -> 0.85 of the GEMM
+# ceiling for linears, below the 0.96 that the bare kernels reach (bench --calibrate, call 12): the launch gaps and
+# the unfused kernels between the GEMMs, which the eager rates absorb, mostly go.
+COMPILE_GEMM_GAIN = 1.17
+# HBM bytes per saved-activation byte of the fused elementwise kernels (eager: ELEM_TRAFFIC). The fit puts it at its
+# bound, 0: on these runs the fused kernels' time cannot be told apart from the GEMMs' (both grow with the tokens),
+# so COMPILE_GEMM_GAIN carries it; a term of its own so that a wider set of runs can move it.
+COMPILE_ELEM_TRAFFIC = 0.0
+COMPILE_SINGLE_RANK = 0.65  # FSDP2's copies on a 1-rank mesh relative to a sharded one (eager: 2)
+# The compiled loss reads the bf16 logits in forward and backward and writes their bf16 grad: 6 B per logit (eager
+# LOSS_TRAFFIC: the fp32 copy and log-softmax too). From the kernels' reads and writes, not fitted.
+COMPILED_LOSS_TRAFFIC = 6.0
+
 
 @dataclass
 class StepTime:
@@ -66,7 +89,7 @@ def collective(c: Cluster, nbytes: float, stride: int, size: int, kind: str) -> 
     """Seconds for one collective over `size` ranks `stride` apart moving a buffer of `nbytes` (the full tensor)."""
     if size <= 1 or nbytes <= 0:
         return 0.0
-    busbw, inter = c.busbw(stride, size)
+    busbw, inter = c.busbw(stride, size, ring=kind != "all_to_all")
     factor = 2 * (size - 1) / size if kind == "all_reduce" else (size - 1) / size
     if kind == "all_to_all":
         busbw *= A2A_EFFICIENCY
@@ -87,7 +110,12 @@ def bubble(plan: Plan) -> float:
 
 
 def host_time(s: RankShare, plan: Plan) -> float:
-    """Host seconds per micro-batch to launch this pp rank's blocks (eager mode; see HOST_BLOCK_S)."""
+    """Host seconds per micro-batch to launch this pp rank's blocks (eager mode; see HOST_BLOCK_S). Compiled, a block
+    launches its graph's few fused kernels, and what stays on the host is outside the graph: FSDP2's hooks and EP's
+    syncs (not fitted: no compiled run measured so far was host-bound; call 9's profiled V2-Lite step kept the GPU
+    busy 476 of 508 ms)."""
+    if plan.compile:
+        return s.n_moe * HOST_EP_S * (plan.ep > 1) + len(s.layers) * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
     n_dense = len(s.layers) - s.n_moe
     per = (n_dense * HOST_BLOCK_S["dense"] + s.n_moe * HOST_BLOCK_S["moe"]) * (HOST_TP_FACTOR if plan.tp > 1 else 1.0)
     per += s.n_moe * HOST_EP_S * (plan.ep > 1) + len(s.layers) * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
@@ -102,12 +130,15 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     tokens = plan.micro_batch_size * t.seq_len
     rate = c.matmul_tflops * 1e12
     hbm = c.hbm_gbps * 1e9
+    gemm = COMPILE_GEMM_GAIN if plan.compile else 1.0
+    elem_traffic = COMPILE_ELEM_TRAFFIC if plan.compile else ELEM_TRAFFIC
+    loss_traffic = COMPILED_LOSS_TRAFFIC if compiled_loss(plan) else LOSS_TRAFFIC
     full, sel = plan.activation_checkpointing == "full", plan.activation_checkpointing == "selective"
     recompute = FULL_AC_RECOMPUTE if full else 1.0  # the forward again: ~1/5 of fwd+bwd time (backward is slower)
     act_bytes = tokens * BF16 * a.dim  # one activation tensor [mbs, seq, D] in bf16
     # Each group priced at the link it spans under the mesh order (ParallelDims.stride).
     tp_call = collective(c, act_bytes, plan.stride("tp"), tp, "all_gather")  # AG and RS of one buffer cost the same
-    p2p = (act_bytes / tp) / c.busbw(plan.stride("pp"), 2)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
+    p2p = (act_bytes / tp) / c.busbw(plan.stride("pp"), 2, ring=False)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
 
     # Expert GEMMs get more rows per expert as EP gathers tokens from ep ranks, fewer under TP + SP (each tp rank
     # routes only its T / tp tokens to its whole replicated experts): small GEMMs are inefficient.
@@ -118,12 +149,12 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     for r in hot_ranks(shares):
         s = shares[r]
         it = {
-            "compute_linear": tokens * s.linear_flops * recompute / (rate * eff.linear),
-            "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff)
+            "compute_linear": tokens * s.linear_flops * recompute / (rate * eff.linear * gemm),
+            "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
-            "compute_elementwise": (tokens * s.elem_bytes * ELEM_TRAFFIC * (4 / 3 if full or sel else 1.0)
-                                    + (tokens * a.vocab_size / tp * LOSS_TRAFFIC if s.last else 0.0)) / hbm,
+            "compute_elementwise": (tokens * s.elem_bytes * elem_traffic * (4 / 3 if full or sel else 1.0)
+                                    + (tokens * a.vocab_size / tp * loss_traffic if s.last else 0.0)) / hbm,
             # SP: per block AG+RS around attention and MLP, forward and backward (+ forward again under full AC)
             "tp_comm": len(s.layers) * (12 if full else 8) * tp_call + (4 * tp_call if s.last else 0.0),
             # dispatch + combine, forward and backward (+ forward again under full AC)
@@ -161,13 +192,14 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         # still slows compute a little.
         return comm / n_blocks + max(0.0, comm - behind) + OVERLAP_PENALTY * min(comm, behind)
 
-    gathers = 1 if plan.pp > 1 or not plan.reshard_after_forward else 2
+    gathers = 1 if plan.keeps_params_gathered else 2
     rounds = 1 if plan.pp > 1 else m  # pipelining gathers and reduces once per step (grad sync deferred)
     fsdp = fsdp_round(gathers)
     items["fsdp_comm"] = rounds * exposed(fsdp, busy / rounds) if plan.dp_shard > 1 else 0.0
     # FSDP2 copies params into and out of its all-gather buffers and casts grads for the reduce, on every rank
     # and even on a 1-rank mesh: memory-bound work on the compute stream.
-    single = 2.0 if plan.dp_shard == 1 else 1.0  # measured: FSDP2 on a 1-rank mesh costs twice as much per param
+    # measured: FSDP2 on a 1-rank mesh costs twice as much per param in eager mode (COMPILE_SINGLE_RANK compiled)
+    single = (COMPILE_SINGLE_RANK if plan.compile else 2.0) if plan.dp_shard == 1 else 1.0
     items["fsdp_copies"] = (single * rounds * (gathers * FSDP_COPY_BYTES[0] + FSDP_COPY_BYTES[1]) * (dense + experts)
                             / hbm if not plan.ddp else 0.0)
     owned = (s.dense + s.experts) / plan.dp_shard
@@ -185,5 +217,5 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         items["offload_pcie"] = exposed(pcie, busy)
         items["optimizer"] = c.gpus_per_node * owned * CPU_ADAM_BYTES / (CPU_ADAM_GBPS * 1e9)
     else:
-        items["optimizer"] = owned * OPTIM_BYTES / hbm
+        items["optimizer"] = owned * (OPTIM_BYTES + FP16_OPTIM_EXTRA_BYTES * (plan.precision == "fp16")) / hbm
     return StepTime(items, sum(items.values()))

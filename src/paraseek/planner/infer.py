@@ -23,7 +23,7 @@ from paraseek.planner.memory import ALLOCATOR_FRACTION, BF16, CUDA_CONTEXT, FP32
 from paraseek.planner.plan import Cluster
 from paraseek.planner.search import divisors
 
-WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # fp16: GPUs without bf16 (V100, T4), `--dtype float16` to serve
 # The engine's defaults (infer/engine.EngineConfig): the step's token budget, the decode batch, the memory share.
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION = 8192, 256, 0.9
 SAMPLER_LOGIT_COPIES = 4  # fp32 logits, their softmax, the sorted copy and its cumulative sum (top-p)
@@ -39,10 +39,10 @@ class InferPlan:
     free_gib: float  # left for the KV cache after weights, workspace, context
     max_batch: int  # sequences of seq_len that fit
     max_context: int  # tokens of one sequence that fit (not capped by max_position_embeddings)
-    batch: int  # the batch the speed is predicted at
+    batch: int  # the batch the speed is predicted at (the asked one, or the largest that fits when none was asked)
     decode_tokens_per_s_per_gpu: float
     prefill_tokens_per_s_per_gpu: float
-    reason: str = ""  # why nothing fits at this tp
+    reason: str = ""  # why nothing (or not the asked batch) fits at this tp
 
 
 def kv_bytes_per_token(a: ModelArgs, tp: int) -> float:
@@ -95,12 +95,18 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
         free = gpu_memory_utilization * cap - fixed
         max_batch = int(free // (kv * seq_len)) if free > 0 else 0
         max_context = int(free // kv) if free > 0 else 0
-        b = min(batch, max_batch) if batch else max_batch
+        b = batch or max_batch
         ip = InferPlan(tp, c.n_gpus // tp, weights / GiB, kv, free / GiB, max_batch, max_context, b, 0.0, 0.0)
         if max_batch < 1:
             ip.reason = (f"weights {weights / GiB:,.1f} GiB + workspace {workspace / GiB:.1f} GiB leave "
                          f"{max(free, 0) / GiB:.1f} GiB < one sequence of {seq_len} tokens' KV cache "
                          f"({kv * seq_len / GiB:.2f} GiB)")
+            out.append(ip)
+            continue
+        if b > max_batch:  # reported, not capped: the engine would preempt, and a server would queue or OOM
+            ip.reason = (f"batch {b} per model copy does not fit: at most {max_batch} sequences of {seq_len} tokens "
+                         f"({free / GiB:.1f} GiB for the KV cache after weights {weights / GiB:.1f} GiB and workspace "
+                         f"{workspace / GiB:.1f} GiB, {kv * seq_len / GiB:.3f} GiB per sequence)")
             out.append(ip)
             continue
         rate = c.matmul_tflops * 1e12 * c.eff.linear

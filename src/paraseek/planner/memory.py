@@ -32,6 +32,7 @@ from paraseek.models.stats import attention_flops_per_token, param_counts
 from paraseek.planner.plan import Cluster, Plan
 
 BF16, FP32 = 2, 4
+AC = ("none", "selective", "full")
 GiB = 2**30
 CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL's own allocations
 ALLOCATOR_BASE, ALLOCATOR_FRACTION = 0.5 * GiB, 0.02  # caching-allocator rounding and fragmentation
@@ -40,6 +41,11 @@ LOSS_BYTES_PER_LOGIT = 10  # bf16 logits + fp32 copy + fp32 log-softmax (saved) 
 LOGIT_GRAD_BYTES = 6  # early backward: the logits' fp32 grad and its bf16 cast
 MOE_IMBALANCE = 1.1  # busiest expert rank's share over the mean (aux-loss-free balancing is good, not perfect)
 OPTIM_TEMP_BYTES = 0  # AdamW(fused=True) as the anchors and TorchTitan run it; foreach would add 4 B/param (sqrt temp)
+# The compiled loss (train/loop.py: --compile without tp/pp) fuses the fp32 cast, log-softmax and gather: it keeps the
+# bf16 logits (and an fp32 log-sum-exp per token) for backward, and its backward writes the bf16 grad directly, while
+# the logits are still alive.
+COMPILED_LOSS_BYTES_PER_LOGIT = 2
+COMPILED_LOGIT_GRAD_BYTES = 4
 
 
 def _norm(d: int) -> int:
@@ -125,6 +131,46 @@ def layer_activation_bytes(a: ModelArgs, layer_id: int, ac: str) -> tuple[int, i
     return whole, split
 
 
+def compiled_layer_activation_bytes(a: ModelArgs, layer_id: int, ac: str) -> tuple[int, int]:
+    """Bytes per token that block `layer_id` keeps for backward when torch.compile'd (--compile), as
+    layer_activation_bytes: (whole on every tp rank, divided by tp).
+
+    What AOTAutograd's min-cut partitioner saves, measured with saved_tensors_hooks on compiled blocks (CPU, torch
+    2.13: tiny-dense with head_dim 24, tiny-moe with v_head_dim 24; docs/planner.md): every RMSNorm keeps its bf16
+    input and output and its fp32 rstd (not an fp32 copy of the input), SwiGLU keeps gate, up and their product
+    (SiLU recomputed), RoPE'd q/k, v, the attention output and its log-sum-exp stay, the projections feeding RoPE and
+    the o_proj input (a transposed copy) are recomputed; in MoE layers the combine's fp32 expert outputs are not kept.
+    selective: as eager, less the MLP's down-projection output (recomputed). full: as eager (the block input)."""
+    if ac == "full":
+        return layer_activation_bytes(a, layer_id, ac)
+    D, H = a.dim, a.n_heads
+    moe = a.is_moe_layer(layer_id)
+    if ac == "selective":
+        whole, split = layer_activation_bytes(a, layer_id, ac)
+        return whole, split - (BF16 * D if not moe else 0)
+    norm_in_out = 2 * BF16  # per channel: the bf16 input (or the residual it reads) and the bf16 output
+    # block input x and the mid-block residual h (sequence-sharded), each norm's rstd; the norm outputs are gathered
+    split = 2 * BF16 * D + 2 * FP32
+    whole = 2 * BF16 * D
+    if a.is_mla:
+        ql, kvl, qk, v, rope = a.q_lora_rank, a.kv_lora_rank, a.qk_head_dim, a.v_head_dim, a.qk_rope_head_dim
+        if ql:
+            whole += norm_in_out * ql + FP32  # q_a_proj output, q_a_layernorm output, rstd
+        whole += BF16 * (kvl + rope) + BF16 * kvl + FP32  # kv_a_proj output, kv_a_layernorm output, rstd
+        split += 2 * BF16 * H * qk + BF16 * H * (a.qk_nope_head_dim + v)  # q, k (RoPE'd), kv_b output (v a view)
+        split += BF16 * H * v + FP32 * H  # attention output, log-sum-exp
+    else:
+        q, kv = H * a.head_dim, a.n_kv_heads * a.head_dim
+        split += BF16 * (q + 2 * kv) + BF16 * q + FP32 * H  # q, k (RoPE'd), v; attention output; log-sum-exp
+    if not moe:
+        return whole, split + 3 * BF16 * a.inter_dim  # gate, up, product
+    E, K, Fe, Fs = a.n_routed_experts, a.n_activated_experts, a.moe_inter_dim, a.moe_inter_dim * a.n_shared_experts
+    split += FP32 * D + FP32 * E + 8 * K + 2 * FP32 * K  # router: fp32 input, scores, top-k index, weights
+    split += 2 * 8 * K + BF16 * D * K  # token index and slot order, the gathered rows
+    split += 3 * BF16 * Fe * K + 3 * BF16 * Fs  # routed and shared SwiGLU: gate, up, product
+    return whole, split
+
+
 @dataclass(frozen=True, eq=False)
 class LayerTerms:
     """Per-layer numbers the planner sums over stages. Parameters split three ways by how TP/EP shard them."""
@@ -139,7 +185,7 @@ class LayerTerms:
     active_whole: int
     active_experts: int
     attn_flops: int  # score + value matmuls per token, fwd+bwd, model count (no causal halving)
-    act: dict  # ac mode -> (whole, split) bytes per token
+    act: dict  # ac mode -> (whole, split) bytes per token; "MODE+compile": the same, torch.compile'd
     dispatch_bytes: int  # bytes per token of one all-to-all (K routed copies of the hidden state, bf16)
 
 
@@ -191,7 +237,8 @@ def model_terms(a: ModelArgs, seq_len: int) -> ModelTerms:
             router=router, partial_whole=router + _mla_latent_params(a),
             active_split=c.per_layer_active[i] - active_experts - whole, active_whole=whole,
             active_experts=active_experts, attn_flops=attn,
-            act={ac: layer_activation_bytes(a, i, ac) for ac in ("none", "selective", "full")},
+            act={**{ac: layer_activation_bytes(a, i, ac) for ac in AC},
+                 **{ac + "+compile": compiled_layer_activation_bytes(a, i, ac) for ac in AC}},
             dispatch_bytes=BF16 * a.dim * a.n_activated_experts if moe else 0,
         ))
     head = 0 if a.tie_embeddings else a.vocab_size * a.dim
@@ -279,8 +326,9 @@ class RankShare:
     block_max: float  # largest block's local params (FSDP's all-gather unit), experts divided by ep
     tp_partial: float  # params whose grads reduce_tp_grads all-reduces over tp: router, MLA latent, experts / ep
     root: float  # embedding + head + final norm local params (FSDP's root module)
-    act: dict  # ac mode -> bytes per token of saved activations on this tp rank, all its layers
+    act: dict  # ac mode (LayerTerms.act's keys) -> bytes per token of saved activations on this tp rank, all its layers
     noac_max: float  # bytes per token of the largest block without checkpointing (rematerialized in backward)
+    noac_max_compiled: float  # the same, torch.compile'd
     dispatch_max: float  # bytes per token (of the dp rank's micro-batch) this tp rank sends in one all-to-all
     n_moe: int
     linear_flops: float  # training FLOPs per token on this tp rank: dense/replicated linears (+ head)
@@ -299,8 +347,9 @@ def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str)
         Ls = [t.layers[i] for i in layers]
         first, last = 0 in holds, pp * v - 1 in holds
         root = (t.embedding / tp if first else 0) + ((t.head / tp + t.final_norm) if last else 0)
-        act = {ac: sum(L.act[ac][0] + L.act[ac][1] / tp for L in Ls) for ac in ("none", "selective", "full")}
+        act = {ac: sum(L.act[ac][0] + L.act[ac][1] / tp for L in Ls) for ac in Ls[0].act}
         noac = [L.act["none"][0] + L.act["none"][1] / tp for L in Ls]
+        noac_c = [L.act["none+compile"][0] + L.act["none+compile"][1] / tp for L in Ls]
         out.append(RankShare(
             layers=layers, first=first, last=last,
             dense=sum(L.params_split / tp + L.params_whole for L in Ls) + root,
@@ -308,7 +357,7 @@ def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str)
             experts=sum(L.params_experts for L in Ls),
             block_max=max(L.params_split / tp + L.params_whole + L.params_experts / ep for L in Ls),
             tp_partial=sum(L.partial_whole + L.params_experts / ep for L in Ls) if tp > 1 else 0.0,
-            root=root, act=act, noac_max=max(noac),
+            root=root, act=act, noac_max=max(noac), noac_max_compiled=max(noac_c),
             # Each tp rank dispatches its own T / tp tokens (SP).
             dispatch_max=max(L.dispatch_bytes for L in Ls) / tp, n_moe=sum(L.moe for L in Ls),
             # MLA's replicated down-projections run on all T gathered tokens on every tp rank (duplicated work); the
@@ -390,6 +439,11 @@ class Memory:
     # optimizer_step
 
 
+def compiled_loss(plan: Plan) -> bool:
+    """The engine compiles the loss with --compile, except under tp (loss_parallel) and pp (the schedule's loss)."""
+    return plan.compile and plan.tp == 1 and plan.pp == 1
+
+
 def n_groups(plan: Plan) -> int:
     """Communicators of size > 1 that a rank belongs to (each keeps NCCL buffers)."""
     sizes = [plan.tp, plan.dp_shard, plan.dp_replicate, plan.pp]
@@ -410,6 +464,8 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
     p2p = 4 * tokens * BF16 * a.dim / tp if plan.pp > 1 else 0.0  # send/recv of activations and their grads
     comm = NCCL_BUFFERS_PER_GROUP * n_groups(plan) + p2p
     dispatch_factor = 2 * tokens * MOE_IMBALANCE if plan.ep > 1 else 0.0
+    loss_bytes, grad_bytes = ((COMPILED_LOSS_BYTES_PER_LOGIT, COMPILED_LOGIT_GRAD_BYTES) if compiled_loss(plan)
+                              else (LOSS_BYTES_PER_LOGIT, LOGIT_GRAD_BYTES))
     worst = None
     for r in hot_ranks(shares):
         s = shares[r]
@@ -424,14 +480,14 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         else:
             # The block in use + the prefetched one (or every block when not resharded after forward), plus
             # FSDP2's root (embedding, head), which is not resharded after forward.
-            bf16 = BF16 * (2 * s.block_max if plan.reshard_after_forward else local - s.root) + BF16 * s.root
+            bf16 = BF16 * (local - s.root if plan.keeps_params_gathered else 2 * s.block_max) + BF16 * s.root
             # bf16 grads of the block being reduced + their fp32 reduce-scatter input; the root's (embedding, head)
             # bf16 grads wait for the end of backward
             unreduced = (BF16 + FP32) * s.block_max + BF16 * s.root
         # Activations: micro-batches in flight x this rank's layers; backward rematerializes one block whole
         # (full) or its elementwise part (selective).
-        acts = in_flight(plan, r, m) * tokens * s.act[ac]
-        recompute = tokens * s.noac_max if ac != "none" else 0.0
+        acts = in_flight(plan, r, m) * tokens * s.act[ac + ("+compile" if plan.compile else "")]
+        recompute = tokens * (s.noac_max_compiled if plan.compile else s.noac_max) if ac != "none" else 0.0
         if plan.document_mask:
             acts += in_flight(plan, r, m) * tokens * document_mask_bytes(a, t.seq_len)
         logits = 0.0
@@ -451,9 +507,9 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         moments = {
             # the loss: every activation in flight, logits in bf16 + fp32 + fp32 log-softmax
             # (pipelined: from the first backward on, the unsharded grads accumulate beside the activations)
-            "loss": base + (unreduced if pipelined else acc) + bf16 + acts + LOSS_BYTES_PER_LOGIT * logits + dispatch,
+            "loss": base + (unreduced if pipelined else acc) + bf16 + acts + loss_bytes * logits + dispatch,
             # early backward: a block rematerialized, its grads being reduced, the logits' fp32 + bf16 grads
-            "backward": base + acc + bf16 + acts + recompute + unreduced + LOGIT_GRAD_BYTES * logits + dispatch,
+            "backward": base + acc + bf16 + acts + recompute + unreduced + grad_bytes * logits + dispatch,
             # pipelined: each block's unsharded grads are freed as its sharded ones are written
             "end_of_backward": base + bf16 + (max(grads, unreduced) if pipelined else grads + unreduced),
             "tp_grad_reduce": base + grads + tp_flat,
@@ -472,7 +528,7 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         "unreduced_grads": unreduced if phase in ("backward", "end_of_backward") or (phase == "loss" and pipelined)
         else 0.0,
         "activations": acts if during else 0.0, "recompute": recompute if phase == "backward" else 0.0,
-        "logits_loss": (LOSS_BYTES_PER_LOGIT if phase == "loss" else LOGIT_GRAD_BYTES) * logits if during else 0.0,
+        "logits_loss": (loss_bytes if phase == "loss" else grad_bytes) * logits if during else 0.0,
         "moe_dispatch": dispatch if during else 0.0, "comm_buffers": comm,
         "tp_grad_buffer": tp_flat if phase == "tp_grad_reduce" else 0.0,
         "optimizer_step_temp": OPTIM_TEMP_BYTES * owned * on_gpu if phase == "optimizer_step" else 0.0,

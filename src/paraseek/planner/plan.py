@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from paraseek.errors import UserError
-from paraseek.hardware.specs import GPU_SPECS, GPUSpec, gpu_spec, spec_for_device_name
+from paraseek.hardware.specs import GPU_SPECS, GPUSpec, resolve_gpu_type, spec_for_device_name
 from paraseek.planner.dims import ParallelDims
 
 AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recompute first
@@ -25,6 +25,8 @@ class Plan(ParallelDims):
     activation_checkpointing: str = "none"  # none | selective | full
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW states in host memory
     reshard_after_forward: bool = True  # False = ZeRO-2-like (params stay gathered between forward and backward)
+    compile: bool = False  # torch.compile per block (and the loss without tp/pp): --compile
+    precision: str = "bf16"  # compute dtype: bf16, or fp16 with loss scaling on GPUs without bf16
     # Packed rows with per-document attention (chat data, --doc-mask): positions, per-token RoPE tables and a
     # FlexAttention block mask live with each micro-batch. A property of the data, not a choice the search makes.
     document_mask: bool = False
@@ -33,11 +35,23 @@ class Plan(ParallelDims):
     def dims(self) -> ParallelDims:
         return ParallelDims(**{f.name: getattr(self, f.name) for f in fields(ParallelDims)})
 
+    @property
+    def keeps_params_gathered(self) -> bool:
+        """The engine's rule (parallel/parallelize.py): FSDP2 keeps the gathered params from forward to backward
+        under pipelining, or with reshard_after_forward=False when there is more than one data-parallel rank (with
+        one there is nothing to all-gather and the flag is ignored)."""
+        return self.pp > 1 or (not self.reshard_after_forward and self.dp > 1)
+
     def n_microbatches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.dp * self.micro_batch_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def problem(self, args, seq_len: int, micro_batches: int | None = None, **options) -> str:
+        """ParallelDims.problem with this plan's own offload, compile and precision unless given."""
+        options = {"cpu_offload": self.cpu_offload, "compile": self.compile, "precision": self.precision, **options}
+        return super().problem(args, seq_len, micro_batches, **options)
 
     def replace(self, **changes) -> Plan:
         return replace(self, **changes)
@@ -55,6 +69,8 @@ class Plan(ParallelDims):
         out += [f"--ep {self.ep}"] if self.ep > 1 else []
         out += [f"--activation-checkpointing {self.activation_checkpointing}"]
         out += ["--cpu-offload"] if self.cpu_offload else []
+        out += ["--compile"] if self.compile else []
+        out += ["--precision fp16"] if self.precision == "fp16" else []
         # Pipelining keeps parameters gathered anyway, and DDP has nothing to reshard.
         if self.pp == 1 and self.dp_shard > 1 and not self.reshard_after_forward:
             out.append("--reshard-after-forward false")
@@ -84,13 +100,15 @@ EFFICIENCY = {
     "ampere": Efficiency(matmul=0.85, attention=0.55),
     "ada": Efficiency(matmul=0.75, attention=0.45),
     "volta": Efficiency(matmul=0.75, attention=0.30, grouped=0.40),  # no flash attention: mem-efficient kernel only
+    # T4: a 70 W card whose clocks drop under sustained tensor-core load; an estimate, not measured here.
+    "turing": Efficiency(matmul=0.60, attention=0.30, grouped=0.40),
 }
 ARCH = {"H100": "hopper", "H100-PCIe": "hopper", "H200": "hopper", "H800": "hopper", "H20": "hopper",
         "A100-40GB": "ampere", "A100-80GB": "ampere", "A800": "ampere", "L40S": "ada", "RTX4090": "ada",
-        "V100-32GB": "volta"}
+        "V100-32GB": "volta", "V100-16GB": "volta", "T4": "turing"}
 # Inter-node bandwidth per GPU (GB/s, NIC line rate / 8) of a typical node of these GPUs: one 400 Gb/s NIC per
 # GPU on Hopper (DeepSeek's H800 nodes too), 200 Gb/s HDR on Ampere, 100 Gb/s Ethernet per GPU on PCIe cards.
-NIC_GBPS = {"hopper": 50.0, "ampere": 25.0, "ada": 12.5, "volta": 12.5}
+NIC_GBPS = {"hopper": 50.0, "ampere": 25.0, "ada": 12.5, "volta": 12.5, "turing": 12.5}
 
 
 @dataclass(frozen=True)
@@ -107,10 +125,16 @@ class Cluster:
     eff: Efficiency
     memory_gib: float  # usable device memory
     host_memory_gib: float  # per node
+    notes: tuple[str, ...] = ()  # what was assumed about these GPUs (an alias taken as a type, fp16 for no bf16)
 
     @property
     def nodes(self) -> int:
         return math.ceil(self.n_gpus / self.gpus_per_node)
+
+    @property
+    def precision(self) -> str:
+        """The compute dtype plans on these GPUs train in: bf16, or fp16 where there is none."""
+        return "bf16" if self.gpu.has_bf16 else "fp16"
 
     @property
     def peak_tflops(self) -> float:  # MFU denominator: the datasheet peak, as the peers quote it
@@ -120,13 +144,20 @@ class Cluster:
         """The same node type, n_gpus of them (a partial node when fewer than gpus_per_node)."""
         return replace(self, n_gpus=n_gpus, gpus_per_node=min(self.gpus_per_node, n_gpus))
 
-    def busbw(self, stride: int, size: int) -> tuple[float, bool]:
+    def busbw(self, stride: int, size: int, ring: bool = True) -> tuple[float, bool]:
         """(busbw in B/s, crosses nodes) of a process group of `size` ranks `stride` apart. With tp innermost and
-        gpus_per_node a multiple of the inner dims, a group stays in one node iff stride * size <= gpus_per_node;
-        a group that spans nodes runs at the inter-node rate (the ring's slowest hop)."""
+        gpus_per_node a multiple of the inner dims, a group stays in one node iff stride * size <= gpus_per_node.
+        Across nodes the traffic goes over the NICs, inter_busbw_gbps per GPU (one NIC per GPU, or a share of one):
+        a ring collective (all-reduce, all-gather, reduce-scatter) over p of a node's GPUs crosses each node
+        boundary once per channel, and NCCL spreads its channels over the NICs of those p GPUs, so its ring runs at
+        min(intra-node busbw, p x the per-GPU NIC rate); all-to-all and point-to-point traffic (ring=False) leaves
+        each GPU through its own NIC share. A group with one rank per node (HSDP's replicas, pp) has p = 1."""
         if stride * size <= self.gpus_per_node:
             return self.intra_busbw_gbps * 1e9, False
-        return self.inter_busbw_gbps * 1e9, True
+        per_node = max(1, min(size, self.gpus_per_node // stride))  # the group's ranks in one node
+        if not ring or per_node == 1:
+            return self.inter_busbw_gbps * 1e9, True
+        return min(self.intra_busbw_gbps, per_node * self.inter_busbw_gbps) * 1e9, True
 
     def describe(self) -> str:
         link = f"{'NVLink' if self.gpu.nvlink_gbps else 'PCIe'} busbw {self.intra_busbw_gbps:.0f} GB/s"
@@ -144,7 +175,7 @@ def _intra_busbw(spec: GPUSpec, eff: Efficiency) -> float:
 def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
                  inter_node_gbps: float | None = None) -> Cluster:
     """A cluster from datasheet defaults. `inter_node_gbps`: inter-node bandwidth per GPU in GB/s (line rate)."""
-    spec = gpu_spec(gpu_type)
+    spec, alias_note = resolve_gpu_type(gpu_type)
     if n_gpus <= 0:
         raise UserError(f"--gpus must be a positive number of GPUs, got {n_gpus}")
     gpn = gpus_per_node or min(n_gpus, 8)
@@ -165,7 +196,16 @@ def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
         intra_busbw_gbps=_intra_busbw(spec, eff), inter_busbw_gbps=nic * 0.8, hbm_gbps=spec.hbm_gbps * eff.hbm,
         eff=eff,
         memory_gib=spec.memory_gib, host_memory_gib=spec.host_memory_gib,
+        notes=tuple(n for n in (alias_note, precision_note(spec)) if n),
     )
+
+
+def precision_note(spec: GPUSpec) -> str:
+    """What the planner assumes about a GPU without bf16 ("" when it has bf16)."""
+    if spec.has_bf16:
+        return ""
+    return (f"{spec.name} has no bf16: plans train in fp16 with dynamic loss scaling (--precision fp16; no --pp), "
+            "priced at the fp16 rate")
 
 
 def _positive(where: str, key: str, value: object, default: float) -> float:
@@ -236,7 +276,10 @@ def load_profile(path: str | Path, n_gpus: int | None = None) -> Cluster:
         memory_gib=num("memory_gib", c.memory_gib),
         matmul_tflops=num("matmul_tflops", c.matmul_tflops),
         intra_busbw_gbps=num("intra_node_busbw_gbps", c.intra_busbw_gbps),
-        inter_busbw_gbps=num("inter_node_busbw_gbps", c.inter_busbw_gbps),
+        # The doctor's inter-node all-reduce runs over every GPU of every node: a flat ring whose gpus_per_node GPUs
+        # in a node share that node's NICs (Cluster.busbw). Its busbw / gpus_per_node is the per-GPU NIC share the
+        # planner prices (a lower bound when NVLink, not the NICs, bounded that ring).
+        inter_busbw_gbps=num("inter_node_busbw_gbps", c.inter_busbw_gbps * gpn) / gpn,
         hbm_gbps=num("hbm_gbps", c.hbm_gbps),
     )
     return calibrated(c, prof["calibration"], str(p)) if prof.get("calibration") is not None else c

@@ -9,7 +9,7 @@ from paraseek.errors import UserError
 from paraseek.planner.infer import InferPlan
 from paraseek.planner.memory import GiB
 from paraseek.planner.plan import Cluster, Plan
-from paraseek.planner.search import Evaluated, Rejected, ScalingRow, SearchResult
+from paraseek.planner.search import MEMORY_HEADROOM, Evaluated, Rejected, ScalingRow, SearchResult, explain
 
 
 def train_command(model: str, c: Cluster, plan: Plan, seq_len: int, global_batch_size: int) -> str:
@@ -34,6 +34,8 @@ def plan_dict(ev: Evaluated, res: SearchResult) -> dict[str, Any]:
     d.update(
         n_microbatches=p.n_microbatches(res.global_batch_size),
         memory_gib_per_gpu=_gib(ev.memory.total),
+        memory_share=round(ev.memory.total / (res.cluster.memory_gib * GiB), 4),
+        above_memory_headroom=ev.tight,
         memory_peak_at=ev.memory.phase,
         memory_peak_pp_rank=ev.memory.worst_rank,
         host_memory_gib_per_node=_gib(ev.memory.host_per_node),
@@ -66,25 +68,32 @@ def hardware_dict(c: Cluster) -> dict[str, Any]:
     return {"gpu": c.gpu.name, "n_gpus": c.n_gpus, "gpus_per_node": c.gpus_per_node, "memory_gib": c.memory_gib,
             "peak_tflops": c.peak_tflops, "matmul_tflops": c.matmul_tflops,
             "intra_node_busbw_gbps": c.intra_busbw_gbps, "inter_node_busbw_gbps": c.inter_busbw_gbps,
-            "hbm_gbps": c.hbm_gbps, "host_memory_gib": c.host_memory_gib}
+            "hbm_gbps": c.hbm_gbps, "host_memory_gib": c.host_memory_gib, "precision": c.precision,
+            "notes": list(c.notes)}
 
 
 def search_json(res: SearchResult, top: int) -> dict[str, Any]:
     plans = res.plans[:top] if top else res.plans
     doc = {"mode": "train", "model": res.model, "hardware": hardware_dict(res.cluster), "seq_len": res.seq_len,
-           "global_batch_size": res.global_batch_size, "plans": [plan_dict(e, res) for e in plans],
+           "global_batch_size": res.global_batch_size, "memory_headroom": MEMORY_HEADROOM,
+           "plans": [plan_dict(e, res) for e in plans],
            "rejected": [rejected_dict(r) for r in res.rejected], "plans_priced": res.evaluated}
+    if res.plans:
+        doc["why_first"] = explain(res.model_args, res.cluster, res.plans[0], res.seq_len, res.global_batch_size)
     if not res.plans:
         doc["why_none"] = res.why_none
     return doc
+
+
+WIDTH = 100  # the tables are laid out for 100 columns: every column stays at any terminal width >= that
 
 
 def _console():
     from rich.console import Console
 
     con = Console()
-    if not con.is_terminal:  # logs and pipes: wide enough for the plan tables instead of rich's 80 columns
-        con = Console(width=120)
+    if not con.is_terminal or con.width < WIDTH:  # logs, pipes and narrow terminals: rich would drop columns
+        con = Console(width=WIDTH, force_terminal=con.is_terminal)
     return con
 
 
@@ -112,16 +121,22 @@ def print_search(res: SearchResult, top: int) -> None:
     con = _console()
     con.print(f"[bold]{res.model}[/bold] on {res.cluster.describe()}; seq {res.seq_len}, global batch "
               f"{res.global_batch_size} sequences; {res.evaluated:,} plans priced")
+    for note in res.cluster.notes:
+        con.print(f"note: {note}", markup=False, highlight=False)
     if res.plans:
-        t = _table("fastest plans that fit (best variant of each mesh); dp = replicate x shard",
-                   ("#", "dp", "tp", "pp", "ep", "mbs", "AC", "offl", "GiB", "step s", "tok/s/GPU", "MFU"))
-        for i, e in enumerate(res.plans[:top] if top else res.plans, 1):
+        t = _table("best variant of each mesh, with headroom first, then fastest; dp = replicate x shard",
+                   ("#", "dp", "tp", "pp", "ep", "mbs", "AC", "comp", "offl", "GiB", "step s", "tok/s/GPU", "MFU"))
+        shown = res.plans[:top] if top else res.plans
+        for i, e in enumerate(shown, 1):
             p = e.plan
             t.add_row(str(i), f"{p.dp_replicate}x{p.dp_shard}", str(p.tp), _schedule(p), str(p.ep),
-                      str(p.micro_batch_size), p.activation_checkpointing, "cpu" if p.cpu_offload else "",
-                      f"{e.memory.total / GiB:.1f}", f"{e.time.total:.2f}", f"{e.tokens_per_s_per_gpu:,.0f}",
-                      f"{e.mfu:.1%}")
+                      str(p.micro_batch_size), p.activation_checkpointing, "yes" if p.compile else "",
+                      "cpu" if p.cpu_offload else "", f"{e.memory.total / GiB:.1f}" + ("!" if e.tight else ""),
+                      f"{e.time.total:.2f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}")
         con.print(t)
+        if any(e.tight for e in shown):
+            con.print(f"!: above the {MEMORY_HEADROOM:.0%} memory headroom: the caching allocator fragments there "
+                      "(measured on H200: such runs lost 13-29%)", markup=False, highlight=False)
         best = res.plans[0]
         mem = _table(f"#1 memory, peak at {best.memory.phase}", ("item", "GiB/GPU"))
         for k, v in best.memory.items.items():
@@ -139,8 +154,8 @@ def print_search(res: SearchResult, top: int) -> None:
         con.print(Columns([mem, tim]))
         if best.memory.host_per_node:
             con.print(f"host memory for offloaded states: {best.memory.host_per_node / GiB:,.0f} GiB per node")
-        if best.note:
-            con.print(best.note)
+        con.print("why #1: " + explain(res.model_args, res.cluster, best, res.seq_len, res.global_batch_size),
+                  markup=False, highlight=False)
         con.print("run it: " + train_command(res.model, res.cluster, best.plan, res.seq_len, res.global_batch_size),
                   soft_wrap=True, markup=False, highlight=False)
     else:
@@ -155,7 +170,8 @@ def print_search(res: SearchResult, top: int) -> None:
 
 
 # ---- inference ---------------------------------------------------------------------------------------------------
-def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan]) -> dict[str, Any]:
+def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan],
+               weight_dtype: str = "bf16") -> dict[str, Any]:
     fits = [r for r in rows if not r.reason]
     fits.sort(key=lambda r: -r.decode_tokens_per_s_per_gpu)
 
@@ -167,58 +183,114 @@ def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan]) -> d
                 "prefill_tokens_per_s_per_gpu": round(r.prefill_tokens_per_s_per_gpu, 1)}
 
     return {"mode": "infer", "model": model, "hardware": hardware_dict(c), "seq_len": seq_len,
-            "plans": [row(r) for r in fits],
-            "rejected": [{"tp": r.tp, "reason": r.reason} for r in rows if r.reason]}
+            "weight_dtype": weight_dtype, "plans": [row(r) for r in fits],
+            "rejected": [{"tp": r.tp, "max_batch_at_seq_len": r.max_batch, "batch": r.batch, "reason": r.reason}
+                         for r in rows if r.reason]}
 
 
-def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max_seq_len: int) -> None:
+def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max_seq_len: int,
+                weight_dtype: str = "bf16") -> None:
     con = _console()
-    con.print(f"[bold]{model}[/bold] inference on {c.describe()}; context {seq_len}")
+    con.print(f"[bold]{model}[/bold] inference on {c.describe()}; context {seq_len}; {weight_dtype} weights"
+              + (" (`paraseek serve --dtype float16`)" if weight_dtype == "fp16" else ""))
+    for note in c.notes:
+        con.print(f"note: {note}", markup=False, highlight=False)
     t = _table(f"per TP degree (one model copy per tp GPUs); batch x context {seq_len}",
                ("tp", "weights GiB", "KV KiB/tok", "max batch", "max context", "batch", "decode tok/s/GPU",
                 "prefill tok/s/GPU"))
     for r in rows:
         if r.reason:
             continue
-        ctx = f"{min(r.max_context, max_seq_len):,}" + (" (model max)" if r.max_context > max_seq_len else "")
+        ctx = f"{min(r.max_context, max_seq_len):,}" + ("*" if r.max_context > max_seq_len else "")
         t.add_row(str(r.tp), f"{r.weights_gib:.1f}", f"{r.kv_bytes_per_token / 1024:.1f}", f"{r.max_batch:,}", ctx,
                   f"{r.batch:,}", f"{r.decode_tokens_per_s_per_gpu:,.0f}", f"{r.prefill_tokens_per_s_per_gpu:,.0f}")
-    con.print(t)
+    if any(not r.reason for r in rows):
+        con.print(t)
+        if any(not r.reason and r.max_context > max_seq_len for r in rows):
+            con.print("*: the model's max_position_embeddings (more would fit)", highlight=False)
+    else:
+        con.print("[bold red]no tp degree fits[/bold red] (below)", highlight=False)
     for r in rows:
         if r.reason:
             con.print(f"  tp={r.tp}: {r.reason}", markup=False, highlight=False)
 
 
 # ---- scaling -----------------------------------------------------------------------------------------------------
-def scaling_json(model: str, rows: list[ScalingRow]) -> dict[str, Any]:
+def plan_short(p: Plan) -> str:
+    """A plan in a few words: dp replicate x shard, the model-parallel degrees, micro-batch, checkpointing, compile,
+    offload."""
+    words = [f"{p.dp_replicate}x{p.dp_shard}"]
+    words += [f"tp{p.tp}"] if p.tp > 1 else []
+    words += [f"pp{p.pp} {_SHORT[p.pp_schedule]}" + (f" v{p.pp_virtual_stages}" if p.pp_virtual_stages > 1 else "")
+              ] if p.pp > 1 else []
+    words += [f"ep{p.ep}"] if p.ep > 1 else []
+    words += [f"mbs {p.micro_batch_size}", f"AC {p.activation_checkpointing}"]
+    words += ["compile"] if p.compile else []
+    words += ["fp16"] if p.precision == "fp16" else []
+    words += ["offload"] if p.cpu_offload else []
+    words += ["zero2"] if p.pp == 1 and p.dp_shard > 1 and not p.reshard_after_forward else []
+    return " ".join(words)
+
+
+def scaling_json(model: str, rows: list[ScalingRow], weak: bool = True) -> dict[str, Any]:
     out = []
     for row in rows:
-        d: dict[str, Any] = {"gpus": row.gpus}
+        d: dict[str, Any] = {"gpus": row.gpus, "global_batch_size": row.global_batch_size}
         if row.best is not None:
             d.update(tokens_per_s_per_gpu=round(row.best.tokens_per_s_per_gpu, 1),
                      tokens_per_s=round(row.best.tokens_per_s_per_gpu * row.gpus, 1),
-                     mfu=round(row.best.mfu, 4), scaling_efficiency=round(row.efficiency, 4),
-                     plan=plan_dict(row.best, row.result))
+                     mfu=round(row.best.mfu, 4), memory_gib_per_gpu=_gib(row.best.memory.total),
+                     scaling_efficiency=round(row.efficiency, 4), plan=plan_dict(row.best, row.result))
+            for name, e, eff in (("flat", row.flat, row.flat_efficiency), ("hsdp", row.hsdp, row.hsdp_efficiency)):
+                if e is not None:
+                    d[name] = {"plan": plan_short(e.plan), "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1),
+                               "scaling_efficiency": round(eff, 4), "memory_gib_per_gpu": _gib(e.memory.total),
+                               "command": train_command(row.result.model, row.result.cluster, e.plan,
+                                                        row.result.seq_len, row.global_batch_size)}
+            if row.note:
+                d["efficiency_note"] = row.note
         else:
             d["reason"] = row.reason
         out.append(d)
-    return {"mode": "scaling", "model": model, "scaling": out}
+    return {"mode": "scaling", "model": model, "kind": "weak" if weak else "strong", "scaling": out}
 
 
-def print_scaling(model: str, rows: list[ScalingRow], c: Cluster, seq_len: int, gbs: int) -> None:
+def print_scaling(model: str, rows: list[ScalingRow], c: Cluster, seq_len: int, gbs: int, weak: bool = True) -> None:
     con = _console()
-    t = _table(f"{model} on {c.gpu.name} ({c.gpus_per_node}/node), seq {seq_len}, global batch {gbs}: "
-               "predicted scaling", ("GPUs", "tok/s/GPU", "tok/s", "MFU", "eff", "plan: dp x tp x pp, ep, mbs, AC"))
+    kind = (f"weak scaling: {gbs} sequences at {rows[0].gpus} GPUs, the same per GPU at each count" if weak
+            else f"strong scaling: global batch {gbs}")
+    con.print(f"[bold]{model}[/bold] on {c.gpu.name} ({c.gpus_per_node}/node), seq {seq_len}; {kind}; predicted "
+              "(efficiency: tokens/s/GPU against the first count with a plan)", highlight=False)
+    for note in c.notes:
+        con.print(f"note: {note}", markup=False, highlight=False)
+    t = _table("", ("GPUs", "plan", "tok/s/GPU", "MFU", "GiB/GPU", "eff"))
+    notes = []
     for r in rows:
         if r.best is None:
-            t.add_row(str(r.gpus), "-", "-", "-", "-", r.reason)
+            t.add_row(str(r.gpus), "nothing runs (below)", "-", "-", "-", "-")
+            notes.append(f"{r.gpus} GPUs: {r.reason}")
             continue
-        p = r.best.plan
-        t.add_row(str(r.gpus), f"{r.best.tokens_per_s_per_gpu:,.0f}", f"{r.best.tokens_per_s_per_gpu * r.gpus:,.0f}",
-                  f"{r.best.mfu:.1%}", f"{r.efficiency:.0%}",
-                  f"{p.dp_replicate}x{p.dp_shard} x {p.tp} x {_schedule(p)}, ep {p.ep}, {p.micro_batch_size}, "
-                  f"{p.activation_checkpointing}" + (", offload" if p.cpu_offload else ""))
+        e = r.best
+        t.add_row(str(r.gpus), plan_short(e.plan), f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}",
+                  f"{e.memory.total / GiB:.1f}" + ("!" if e.tight else ""), f"{r.efficiency:.0%}")
+        for label, alt, eff in (("flat", r.flat, r.flat_efficiency), ("HSDP", r.hsdp, r.hsdp_efficiency)):
+            if alt is not None and alt is not e:
+                t.add_row("", f"{label}: {plan_short(alt.plan)}", f"{alt.tokens_per_s_per_gpu:,.0f}", f"{alt.mfu:.1%}",
+                          f"{alt.memory.total / GiB:.1f}" + ("!" if alt.tight else ""), f"{eff:.0%}")
+        if r.note:
+            notes.append(f"{r.gpus} GPUs: {r.note}")
     con.print(t)
+    con.print("plan: dp replicate x shard, tpN, ppN schedule, epN, micro-batch, checkpointing (AC), compile, "
+              "offload, zero2 (params kept gathered)", markup=False, highlight=False)
+    if any(r.flat is not None or r.hsdp is not None for r in rows):
+        con.print("flat: the best plan whose FSDP sharding spans the nodes (its all-gathers and reduce-scatters on the "
+                  "NICs); HSDP: the best sharded inside a node and replicated across (only the gradient all-reduce "
+                  "crosses nodes)", markup=False, highlight=False)
+    if any(r.best is not None and r.best.tight for r in rows):
+        con.print(f"!: above the {MEMORY_HEADROOM:.0%} memory headroom (no plan with room fits)", markup=False,
+                  highlight=False)
+    for n in notes:
+        con.print(n, markup=False, highlight=False)
 
 
 def plot_scaling(rows: list[ScalingRow], path: str, title: str) -> None:

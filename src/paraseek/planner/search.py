@@ -1,9 +1,14 @@
 """Enumerate plans, price them, rank them by predicted tokens/s, and say why the others lost.
 
 Pruning (why it is safe): activation checkpointing is tried from the least recompute up and the first mode that
-fits is kept (more recompute only costs time); CPU offload is tried for a mesh only when nothing fits without it
-(it only costs time); per mesh (dp_replicate, dp_shard, tp, pp, ep) only the fastest variant is kept, so the
-ranking shows different ways to cut the machine rather than 20 micro-batch sizes of the same one.
+fits with memory headroom is kept (more recompute only costs time); CPU offload is tried for a mesh only when nothing
+fits without it (it only costs time); torch.compile is priced wherever the engine runs it, eager only where it does
+not or when asked (every compile term of the model is a saving of time and memory, so an eager twin never ranks
+higher); per mesh (dp_replicate, dp_shard, tp, pp, ep) only the fastest variant is kept, so the ranking shows
+different ways to cut the machine rather than 20 micro-batch sizes of the same one.
+
+Memory headroom: a plan whose predicted peak is above MEMORY_HEADROOM of the GPU's memory fits, but ranks below every
+plan with room (the caching allocator's fragmentation makes such runs slow, below), unless none has room.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ from paraseek.planner.plan import AC_MODES, Cluster, Plan
 
 HOST_USABLE = 0.9  # of host memory, for offloaded states (the OS, data loaders and pinned buffers need the rest)
 MAX_MICRO_BATCH = 64
+# The caching allocator's fragmentation, measured on H200s (140.4 GiB; BENCHMARKS.md, "Memory headroom"): runs whose
+# allocated peak was at most 117.8 GiB (84%, call 12) ran at speed; from 122.7 GiB (87%) on, four runs lost 13-29%
+# of their tokens/s to the allocator freeing and retrying (call 6, issue #17). The boundary, ~120 GiB allocated, is
+# 88% of the GPU in the planner's terms (its total adds the CUDA context and the allocator allowance to the
+# allocated peak: 1.02 x 120.2 + 1.5 GiB = 124 GiB).
+MEMORY_HEADROOM = 0.88
 
 
 @dataclass
@@ -30,6 +41,7 @@ class Evaluated:
     mfu: float = 0.0
     reason: str = ""  # why it does not fit ("" if it does)
     note: str = ""  # for a fitting plan: why it needs CPU offload
+    tight: bool = False  # fits, but above MEMORY_HEADROOM of the GPU's memory (ranks below every plan with room)
     overflow: tuple = (0.0, 0.0)  # (tighter, sum) of need / capacity for GPU and host memory: closeness to fitting
 
 
@@ -104,6 +116,7 @@ def evaluate(args: ModelArgs, c: Cluster, plan: Plan, seq_len: int, global_batch
         why.append(f"the offloaded states need {mem.host_per_node / GiB:,.0f} GiB of host memory per node > "
                    f"{host_cap / GiB:,.0f} GiB usable")
     ev.reason = "; ".join(why)
+    ev.tight = not ev.reason and mem.total > MEMORY_HEADROOM * cap
     if ev.reason or not with_time:
         return ev
     ev.time = step_time(t, c, plan, global_batch_size)
@@ -117,11 +130,17 @@ def _mesh(plan: Plan) -> dict:
     return {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "tp": plan.tp, "pp": plan.pp, "ep": plan.ep}
 
 
-def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: int,
-                  engine_only: bool = False) -> tuple[Evaluated | None, Evaluated | None, int, str]:
-    """(fastest fitting variant, closest non-fitting variant, variants priced, why no variant runs) of one mesh.
+def _rank_key(e: Evaluated) -> tuple[bool, float, float]:
+    """Plans with memory headroom first, then the fastest, then (at equal speed) the one with more room."""
+    return (not e.tight, e.tokens_per_s_per_gpu, -e.memory.total)
+
+
+def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: int, engine_only: bool = False,
+                  compile: bool | None = None) -> tuple[Evaluated | None, Evaluated | None, int, str]:
+    """(best fitting variant, closest non-fitting variant, variants priced, why no variant runs) of one mesh.
     Each variant is first held against the engine's rules (ParallelDims.problem); the closest miss's reason also
-    says why the same mesh fails without offload, when offload was the closest."""
+    says why the same mesh fails without offload, when offload was the closest. compile: None prices compiled
+    variants where the engine compiles them and eager ones elsewhere; True or False only those."""
     local = gbs // base.dp
     mbs_options = [d for d in divisors(local) if d <= MAX_MICRO_BATCH]
     if base.pp > 1:
@@ -129,15 +148,20 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
     elif base.dp_shard > 1:
         reshard_options = [True, False]
     else:
-        reshard_options = [True]  # DDP: nothing to reshard
-    best = None
+        reshard_options = [True]  # DDP or one data-parallel rank: nothing to reshard
+    best = tight = None
     closest: dict[bool, Evaluated] = {}
     n, why_not = 0, ""
     for offload in (False, True):
         for schedule, v in _schedules(args, base.pp, engine_only):
-            variant = base.replace(pp_schedule=schedule, pp_virtual_stages=v, cpu_offload=offload)
-            if why := variant.problem(args, seq_len, cpu_offload=offload, engine=engine_only):
-                why_not = why_not or why
+            # Compiled where the engine compiles it (never slower in the model: module docstring), else eager.
+            candidates = [base.replace(pp_schedule=schedule, pp_virtual_stages=v, cpu_offload=offload,
+                                       compile=compiled, precision=c.precision)
+                          for compiled in ((True, False) if compile is None else (compile,))]
+            whys = [x.problem(args, seq_len, engine=engine_only) for x in candidates]
+            variant = next((x for x, why in zip(candidates, whys, strict=True) if not why), None)
+            if variant is None:
+                why_not = why_not or whys[0]
                 continue
             for mbs in mbs_options:
                 m = local // mbs
@@ -153,17 +177,26 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
                         n += 1
                         if not ev.reason:
                             fits_any = True
-                            if best is None or ev.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu:
+                            if best is None or _rank_key(ev) > _rank_key(best):
                                 best = ev
-                            break  # more recompute would only be slower
+                            # More recompute would only be slower -- except selective under compile, whose
+                            # elementwise recompute costs COMPILE_ELEM_TRAFFIC (fitted to 0): as fast, less memory.
+                            if not ev.tight and not (plan.compile and ac == "none"):
+                                break
+                            continue
                         if offload not in closest or ev.overflow < closest[offload].overflow:
                             closest[offload] = ev
                 if not fits_any:
                     break  # memory grows with the micro-batch size: larger ones won't fit either
-        if best is not None:
-            break  # offload only when nothing fits without it
-    if best is not None and best.plan.cpu_offload and False in closest:
-        best.note = f"CPU offload: without it the closest plan {closest[False].reason}"
+        if best is not None and not best.tight:
+            break  # offload only when nothing fits with headroom without it
+        tight = best
+    if best is not None and best.plan.cpu_offload:
+        if tight is not None:
+            best.note = (f"CPU offload: without it the best plan needs {tight.memory.total / GiB:,.1f} GiB/GPU, above "
+                         f"the {MEMORY_HEADROOM:.0%} memory headroom of {c.memory_gib:.1f} GiB")
+        elif False in closest:
+            best.note = f"CPU offload: without it the closest plan {closest[False].reason}"
     if not closest:
         return best, None, n, why_not
     miss = min(closest.values(), key=lambda e: e.overflow)
@@ -173,10 +206,11 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
 
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
-           engine_only: bool = False, document_mask: bool = False) -> SearchResult:
-    """Every mesh of c.n_gpus GPUs, its best variant, ranked by predicted tokens/s per GPU. engine_only ranks only
-    what `paraseek train` runs (ParallelDims.problem with the engine's rules, the same check the CLI makes before a
-    launch); without it the planner also prices the compositions the engine does not run, and ZBVZeroBubble.
+           engine_only: bool = False, compile: bool | None = None, document_mask: bool = False) -> SearchResult:
+    """Every mesh of c.n_gpus GPUs, its best variant, ranked by memory headroom, then predicted tokens/s per GPU.
+    engine_only ranks only what `paraseek train` runs (ParallelDims.problem with the engine's rules, the same check
+    the CLI makes before a launch); without it the planner also prices the compositions the engine does not run, and
+    ZBVZeroBubble. compile: None = compiled wherever the engine compiles, True / False = only compiled / eager.
     `document_mask`: the data is packed with document masks (Plan.document_mask)."""
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
@@ -215,7 +249,8 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,
                                 document_mask=document_mask)
-                    best, closest, n, why_not = _best_of_mesh(args, c, base, seq_len, global_batch_size, engine_only)
+                    best, closest, n, why_not = _best_of_mesh(args, c, base, seq_len, global_batch_size, engine_only,
+                                                              compile)
                     res.evaluated += n
                     if best is not None:
                         res.plans.append(best)
@@ -224,21 +259,62 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                                                      closest.overflow))
                     elif why_not:
                         reject(why_not, **_mesh(base))
-    res.plans.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    res.plans.sort(key=_rank_key, reverse=True)
     # Closest to fitting first; structural reasons last.
     res.rejected.sort(key=lambda r: r.overflow)
     return res
 
 
 def best_plan(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int,
-              document_mask: bool = False) -> Evaluated:
-    """The predicted-fastest plan that fits (what `paraseek train --plan auto` runs). Raises UserError with the
-    closest miss's reason when nothing fits."""
-    res = search(args, c, seq_len, global_batch_size, engine_only=True, document_mask=document_mask)
+              compile: bool | None = None, document_mask: bool = False) -> Evaluated:
+    """The first plan of the ranking that the engine runs (what `paraseek train --plan auto` runs): with memory
+    headroom if any, the predicted-fastest. Raises UserError with the closest miss's reason when nothing fits."""
+    res = search(args, c, seq_len, global_batch_size, engine_only=True, compile=compile,
+                 document_mask=document_mask)
     if not res.plans:
         why = res.rejected[0].reason if res.rejected else "no mesh is possible"
         raise UserError(f"no parallel plan fits {c.n_gpus} x {c.gpu.name}: closest: {why}")
     return res.plans[0]
+
+
+def explain(args: ModelArgs, c: Cluster, ev: Evaluated, seq_len: int, global_batch_size: int) -> str:
+    """Why this plan, in one line: what compile gains over its eager twin, why its checkpointing (the mode with less
+    recompute at the same micro-batch: what it needs), its memory against the headroom, why offload."""
+    p, cap = ev.plan, c.memory_gib * GiB
+    parts = []
+
+    def need(e: Evaluated) -> str:
+        if e.reason:
+            return f"needs {e.memory.total / GiB:,.1f} GiB > {c.memory_gib:.1f}"
+        return f"needs {e.memory.total / GiB:,.1f} GiB, above the {MEMORY_HEADROOM:.0%} headroom"
+
+    if p.compile:
+        eager = evaluate(args, c, p.replace(compile=False), seq_len, global_batch_size)
+        gain = (f"+{ev.tokens_per_s_per_gpu / eager.tokens_per_s_per_gpu - 1:.0%} over eager" if not eager.reason
+                else f"eager {need(eager)}")
+        fitted = "" if c.gpu.name == "H200" else f"; its terms are fitted on H200s, not measured on {c.gpu.name}"
+        parts.append(f"compile: {gain} (predicted{fitted})")
+    elif why := p.replace(compile=True).problem(args, seq_len):
+        parts.append(f"eager: {why}")
+    else:
+        parts.append("eager (compile not priced: --compile false)")
+    if p.activation_checkpointing != "none":
+        less = AC_MODES[AC_MODES.index(p.activation_checkpointing) - 1]
+        alt = evaluate(args, c, p.replace(activation_checkpointing=less), seq_len, global_batch_size)
+        if alt.reason or alt.tight:
+            parts.append(f"AC {p.activation_checkpointing}: {less} at micro-batch {p.micro_batch_size} {need(alt)}")
+        elif alt.tokens_per_s_per_gpu <= ev.tokens_per_s_per_gpu:  # compiled selective: its recompute is fused
+            parts.append(f"AC {p.activation_checkpointing}: as fast as {less} (predicted), "
+                         f"{(alt.memory.total - ev.memory.total) / GiB:.1f} GiB less")
+    share = ev.memory.total / cap
+    parts.append(f"memory {share:.0%} of {c.memory_gib:.0f} GiB" + (
+        f": above the {MEMORY_HEADROOM:.0%} headroom (the allocator fragments there), but no plan with room fits"
+        if ev.tight else ""))
+    if p.precision == "fp16":
+        parts.append(f"fp16: {c.gpu.name} has no bf16")
+    if ev.note:
+        parts.append(ev.note)
+    return "; ".join(parts)
 
 
 @dataclass
@@ -246,31 +322,99 @@ class ScalingRow:
     gpus: int
     result: SearchResult | None
     best: Evaluated | None
+    global_batch_size: int = 0
     efficiency: float = 0.0  # tokens/s/GPU relative to the first count that has a plan
-    reason: str = ""
+    reason: str = ""  # why no plan runs at this count
+    note: str = ""  # why the efficiency is above 100%, when it is
+    # Multi-node counts: the best plan whose data-parallel sharding spans the nodes (flat) and the best HSDP plan
+    # (sharded inside a node, replicated across: the hierarchical fix), with their efficiencies.
+    flat: Evaluated | None = None
+    hsdp: Evaluated | None = None
+    flat_efficiency: float = 0.0
+    hsdp_efficiency: float = 0.0
+
+
+def shards_across_nodes(p: Plan, gpus_per_node: int) -> bool:
+    """The plan's FSDP (dp_shard) group spans nodes: its all-gathers and reduce-scatters go over the NICs."""
+    return p.dp_shard > 1 and p.stride("dp_shard") * p.dp_shard > gpus_per_node
+
+
+def is_hsdp(p: Plan, gpus_per_node: int) -> bool:
+    """Sharded inside a node and replicated across nodes (only the all-reduce of gradient shards crosses them)."""
+    return p.dp_replicate > 1 and p.dp_shard > 1 and not shards_across_nodes(p, gpus_per_node)
+
+
+def _above_100_reason(base: ScalingRow, row: ScalingRow, e: Evaluated) -> str:
+    """What makes plan `e` at a GPU count faster per GPU than the first count's: the plan's knobs that changed, and
+    the time item per token that fell the most."""
+    b = base.best
+    bp, p = b.plan, e.plan
+    changed = []
+    if bp.cpu_offload and not p.cpu_offload:
+        changed.append("no CPU offload (more GPUs hold the states)")
+    if AC_MODES.index(p.activation_checkpointing) < AC_MODES.index(bp.activation_checkpointing):
+        changed.append(f"less recompute (AC {p.activation_checkpointing}, {bp.activation_checkpointing} at "
+                       f"{base.gpus})")
+    if p.micro_batch_size > bp.micro_batch_size:
+        changed.append(f"micro-batch {p.micro_batch_size} fits ({bp.micro_batch_size} at {base.gpus})")
+    if (p.tp, p.pp) != (bp.tp, bp.pp):
+        changed.append(f"tp {p.tp} x pp {p.pp} (tp {bp.tp} x pp {bp.pp} at {base.gpus})")
+    # Seconds per token per GPU of each item: the one that fell the most.
+    per_b = {k: v / (base.global_batch_size * row.result.seq_len / base.gpus) for k, v in b.time.items.items()}
+    per_e = {k: v / (row.global_batch_size * row.result.seq_len / row.gpus) for k, v in e.time.items.items()}
+    k = max(per_b, key=lambda x: per_b[x] - per_e.get(x, 0.0))
+    changed.append(f"{k.replace('_', ' ')} per token {per_b[k] * 1e6:.1f} -> {per_e.get(k, 0.0) * 1e6:.1f} us"
+                   + (" (the CPU optimizer's work per node shrinks as nodes are added)"
+                      if k == "optimizer" and p.cpu_offload else ""))
+    return "above 100%: " + "; ".join(changed)
 
 
 def scaling(args: ModelArgs, c: Cluster, counts: list[int], seq_len: int, global_batch_size: int,
-            model: str = "", document_mask: bool = False) -> list[ScalingRow]:
-    """The best plan at each GPU count, same model, global batch (strong scaling) and node shape."""
+            model: str = "", weak: bool = True, engine_only: bool = True,
+            compile: bool | None = None, document_mask: bool = False) -> list[ScalingRow]:
+    """The first-ranked plan at each GPU count, same model and node shape, ranked as `paraseek plan` ranks (only what
+    `paraseek train` runs unless engine_only=False). weak: the per-GPU batch of the first count stays fixed (the
+    global batch grows with the GPUs, as `paraseek bench --scaling` measures); else the global batch is fixed
+    (strong scaling). Efficiency = tokens/s/GPU relative to the first count with a plan; above 100% a row says why.
+    Multi-node counts also get the best flat-sharded and the best HSDP plan."""
     rows = []
     for n in counts:
         if n <= 0:
             raise UserError(f"--scaling: GPU counts must be positive, got {n}")
         if n > c.gpus_per_node and n % c.gpus_per_node:
             raise UserError(f"--scaling: {n} GPUs is not a whole number of {c.gpus_per_node}-GPU nodes")
+        gbs = global_batch_size
+        if weak:
+            if global_batch_size * n % counts[0]:
+                rows.append(ScalingRow(n, None, None, reason=f"weak scaling: the global batch {global_batch_size} x "
+                                       f"{n} / {counts[0]} GPUs is not a whole number of sequences"))
+                continue
+            gbs = global_batch_size * n // counts[0]
+        cn = c.with_gpus(n)
         try:
-            res = search(args, c.with_gpus(n), seq_len, global_batch_size, model, document_mask=document_mask)
+            res = search(args, cn, seq_len, gbs, model, engine_only=engine_only, compile=compile,
+                         document_mask=document_mask)
         except UserError as e:  # e.g. the batch cannot be divided at this count: a row, not the end
-            rows.append(ScalingRow(n, None, None, reason=str(e)))
+            rows.append(ScalingRow(n, None, None, gbs, reason=str(e)))
             continue
-        if res.plans:
-            rows.append(ScalingRow(n, res, res.plans[0]))
-        else:
+        if not res.plans:
             why = res.rejected[0].reason if res.rejected else "no mesh is possible"
-            rows.append(ScalingRow(n, res, None, reason=f"nothing fits: {why}"))
+            rows.append(ScalingRow(n, res, None, gbs, reason=f"nothing fits: {why}"))
+            continue
+        row = ScalingRow(n, res, res.plans[0], gbs)
+        if cn.nodes > 1:
+            row.flat = next((e for e in res.plans if shards_across_nodes(e.plan, cn.gpus_per_node)), None)
+            row.hsdp = next((e for e in res.plans if is_hsdp(e.plan, cn.gpus_per_node)), None)
+        rows.append(row)
     base = next((r for r in rows if r.best is not None), None)
     for r in rows:
-        if r.best is not None and base is not None and base.best is not None:
-            r.efficiency = r.best.tokens_per_s_per_gpu / base.best.tokens_per_s_per_gpu
+        if r.best is None or base is None:
+            continue
+        ref = base.best.tokens_per_s_per_gpu
+        r.efficiency = r.best.tokens_per_s_per_gpu / ref
+        r.flat_efficiency = r.flat.tokens_per_s_per_gpu / ref if r.flat else 0.0
+        r.hsdp_efficiency = r.hsdp.tokens_per_s_per_gpu / ref if r.hsdp else 0.0
+        r.note = "; ".join(f"{label}{_above_100_reason(base, r, e)}" for label, e, eff in (
+            ("", r.best, r.efficiency), ("flat: ", r.flat, r.flat_efficiency), ("HSDP: ", r.hsdp, r.hsdp_efficiency))
+            if e is not None and eff > 1.0005 and (label == "" or e is not r.best))
     return rows

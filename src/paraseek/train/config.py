@@ -109,16 +109,21 @@ class TrainConfig:
 
         return Plan(**dataclasses.asdict(self.dims), micro_batch_size=self.micro_batch_size,
                     activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
-                    reshard_after_forward=self.reshard_after_forward, document_mask=self.doc_mask == "true")
+                    reshard_after_forward=self.reshard_after_forward, compile=self.compile,
+                    precision="fp16" if self.precision == "fp16" else "bf16",
+                    document_mask=self.doc_mask == "true")
 
     def with_plan(self, plan) -> TrainConfig:
-        """This run with a planner Plan's degrees and memory settings (its schedule only when it pipelines)."""
+        """This run with a planner Plan's degrees, memory settings, compile and precision (its schedule only when it
+        pipelines; the precision only when the plan needs fp16, else the config's own, bf16 on GPUs)."""
         dims = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ParallelDims)}
         if plan.pp == 1:
             del dims["pp_schedule"], dims["pp_virtual_stages"]
         return dataclasses.replace(self, **dims, micro_batch_size=plan.micro_batch_size,
                                    activation_checkpointing=plan.activation_checkpointing,
-                                   cpu_offload=plan.cpu_offload, reshard_after_forward=plan.reshard_after_forward)
+                                   cpu_offload=plan.cpu_offload, reshard_after_forward=plan.reshard_after_forward,
+                                   compile=plan.compile,
+                                   precision="fp16" if plan.precision == "fp16" else self.precision)
 
 
 # The rule of every field, whatever its source (a flag, a TOML key, code): its annotated type, its choices, and its

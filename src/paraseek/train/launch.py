@@ -102,13 +102,15 @@ def prediction(ev) -> dict:
 
 
 def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
-    """--plan auto: the planner's fastest plan that fits this machine (or --hardware's profile) and that the
-    engine runs; its prediction is printed so the run can be compared with it."""
+    """--plan auto: the planner's first-ranked plan for this machine (or --hardware's profile) that the engine runs
+    (with memory headroom if any, then the fastest; compiled where the engine compiles); its flags, prediction and
+    the one-line reason for it are printed so the run can be compared with them."""
     import torch
 
     from paraseek.hardware.specs import spec_for_device_name
     from paraseek.models import resolve_model
     from paraseek.planner import best_plan, load_profile, make_cluster
+    from paraseek.planner.search import explain
 
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
     if cfg.hardware:
@@ -124,13 +126,9 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
     best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size, document_mask=cfg.doc_mask == "true")
     p = best.plan
     cfg = cfg.with_plan(p)
-    degrees = "".join(f" {k}={v}" for k, v in (("tp", p.tp), ("ep", p.ep)) if v > 1)
-    degrees += f" pp={p.pp} {p.pp_schedule} x{p.pp_virtual_stages}" if p.pp > 1 else ""
-    print(f"plan auto: dp_replicate={p.dp_replicate} dp_shard={p.dp_shard}{degrees} micro-batch {p.micro_batch_size} "
-          f"AC {p.activation_checkpointing}{' cpu-offload' if p.cpu_offload else ''}"
-          f"{'' if p.reshard_after_forward else ' reshard-after-forward=false'} | predicted "
-          f"{best.memory.total / 2**30:.1f} GiB/GPU, {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {best.mfu * 100:.1f}%",
-          flush=True)
+    print(f"plan auto: {' '.join(p.flags())} | predicted {best.memory.total / 2**30:.1f} GiB/GPU, "
+          f"{best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {best.mfu * 100:.1f}%", flush=True)
+    print(f"plan auto: why: {explain(args, cluster, best, cfg.seq_len, cfg.global_batch_size)}", flush=True)
     return cfg
 
 

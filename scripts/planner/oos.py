@@ -1,0 +1,168 @@
+"""Out-of-sample check of the planner's torch.compile terms: compiled plans that no fit saw (other models, micro-batch
+sizes, checkpointing modes, sequence lengths, gradient accumulation, tp and pp), predicted before they are measured.
+
+    python scripts/planner/oos.py --write benchmarks/predictions/compiled-oos.json   # on any machine, no GPU
+    python scripts/planner/oos.py --run benchmarks/predictions/compiled-oos.json --out DIR   # on nvidia-h200-x2
+
+--write prices every command of OOS with the planner exactly as `paraseek bench` does for its own prediction (the
+command through train's parser and config, TrainConfig.to_plan, planner.evaluate on the datasheet H200 with
+--nproc GPUs per node) and writes the commands and the predictions. --run runs each command from that file (the
+commands as written, `{models}` replaced by a folder holding the v2lite14 config) and writes DIR/compiled-oos.json
+with measured and predicted numbers and the errors side by side; a run that fails is recorded with its exit code.
+About 1 minute per run (compile, 3 warm-up and 5 measured steps): two 10-minute device calls for all of them
+(`--only 0-5`, `--only 6-11`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+BENCH = "paraseek bench --json --device cuda --warmup 3 --steps 5 --seq-len {seq} --nproc {n}"
+V2LITE14 = "{models}/v2lite14"  # DeepSeek-V2-Lite cut to 14 layers (config only, random init), as validate.py's
+# (name, GPUs, seq, flags): none of these was measured compiled before the predictions were written.
+OOS = [
+    ("7b 1gpu none+compile mbs1 accum2", 1, 4096, "--model deepseek-llm-7b --global-batch-size 2 --micro-batch-size 1 "
+     "--activation-checkpointing none --compile"),
+    ("7b 1gpu none+compile mbs2 (the planner's 85% plan)", 1, 4096, "--model deepseek-llm-7b --global-batch-size 2 "
+     "--micro-batch-size 2 --activation-checkpointing none --compile"),
+    ("7b fsdp none+compile mbs1", 2, 4096, "--model deepseek-llm-7b --global-batch-size 2 --micro-batch-size 1 "
+     "--activation-checkpointing none --compile"),
+    ("7b fsdp full+compile mbs4", 2, 4096, "--model deepseek-llm-7b --global-batch-size 8 --micro-batch-size 4 "
+     "--activation-checkpointing full --compile"),
+    ("7b seq8192 fsdp selective+compile mbs1 zero2", 2, 8192, "--model deepseek-llm-7b --global-batch-size 2 "
+     "--micro-batch-size 1 --activation-checkpointing selective --compile --reshard-after-forward false"),
+    ("llama-8b fsdp selective+compile mbs2 accum2 zero2", 2, 4096, "--model deepseek-r1-distill-llama-8b "
+     "--global-batch-size 8 --micro-batch-size 2 --activation-checkpointing selective --compile "
+     "--reshard-after-forward false"),
+    ("qwen-7b fsdp selective+compile mbs2 zero2", 2, 4096, "--model deepseek-r1-distill-qwen-7b --global-batch-size 4 "
+     "--micro-batch-size 2 --activation-checkpointing selective --compile --reshard-after-forward false"),
+    ("qwen-1.5b fsdp none+compile mbs4", 2, 4096, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 8 "
+     "--micro-batch-size 4 --activation-checkpointing none --compile"),
+    ("v2lite14 fsdp full+compile mbs2", 2, 4096, f"--model {V2LITE14} --global-batch-size 4 --micro-batch-size 2 "
+     "--activation-checkpointing full --compile"),
+    ("v2lite14 fsdp selective+compile mbs4 zero2", 2, 4096, f"--model {V2LITE14} --global-batch-size 8 "
+     "--micro-batch-size 4 --activation-checkpointing selective --compile --reshard-after-forward false"),
+    ("7b tp2 selective+compile mbs2", 2, 4096, "--model deepseek-llm-7b --global-batch-size 2 --micro-batch-size 2 "
+     "--activation-checkpointing selective --compile --tp 2"),
+    ("7b pp2 1F1B selective+compile mbs1", 2, 4096, "--model deepseek-llm-7b --global-batch-size 4 "
+     "--micro-batch-size 1 --activation-checkpointing selective --compile --pp 2 --pp-schedule 1F1B"),
+]
+
+
+def models_folder(root: Path) -> Path:
+    """A folder with v2lite14/config.json (the preset with 14 layers), as validate.py writes it."""
+    from paraseek.models.args import preset_config
+
+    path = root / "v2lite14"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**preset_config("deepseek-v2-lite"), "num_hidden_layers": 14},
+                                                 indent=1))
+    return root
+
+
+def command(n: int, seq: int, flags: str) -> str:
+    return f"{BENCH.format(seq=seq, n=n)} {flags}"
+
+
+def predict(cmd: str, models: Path) -> dict:
+    """The planner's prediction for a bench command, as bench computes it (train/launch.py: _predict) on H200s."""
+    from paraseek.cli import build_parser
+    from paraseek.models import resolve_model
+    from paraseek.planner import evaluate, make_cluster
+    from paraseek.train.config import from_namespace, resolve_defaults, validate
+
+    argv = shlex.split(cmd.replace("{models}", str(models)))
+    ns = build_parser().parse_args(argv[1:])
+    cfg = resolve_defaults(from_namespace(ns), cuda_available=True, gpu_count=ns.nproc)
+    validate(cfg, cuda_available=True, gpu_count=ns.nproc)
+    args = resolve_model(cfg.model)[0]
+    ev = evaluate(args, make_cluster("H200", cfg.world_size, gpus_per_node=cfg.nproc), cfg.to_plan(), cfg.seq_len,
+                  cfg.global_batch_size)
+    return {"fits": not ev.reason, "tight": ev.tight, "memory_gib": round(ev.memory.total / 2**30, 2),
+            "step_time_s": round(ev.time.total, 4) if ev.time else None,
+            "tokens_per_s_per_gpu": round(ev.tokens_per_s_per_gpu, 1),
+            "memory_breakdown_gib": {k: round(v / 2**30, 3) for k, v in ev.memory.items.items() if v},
+            "step_time_breakdown_s": {k: round(v, 4) for k, v in ev.time.items.items() if v} if ev.time else {}}
+
+
+def write(path: Path) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True, cwd=ROOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        models = models_folder(Path(tmp))
+        runs = [{"name": name, "gpus": n, "command": command(n, seq, flags),
+                 "predicted": predict(command(n, seq, flags), models)} for name, n, seq, flags in OOS]
+    doc = {"what": "planner predictions for compiled runs outside every fit (scripts/planner/compiled_fit.py), "
+                   "written before they ran; check them with scripts/planner/oos.py --run",
+           "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "planner_commit": commit.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else ""),
+           "machine": "nvidia-h200-x2 (2x H200, 2 GPUs per node; the 1-GPU runs use one of them)",
+           "measured_memory": "torch.cuda.max_memory_allocated, against the planner's total as BENCHMARKS.md compares",
+           "models": "{models}/v2lite14: deepseek-v2-lite's config with num_hidden_layers 14 (oos.py writes it)",
+           "runs": runs}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    for r in runs:
+        p = r["predicted"]
+        print(f"{r['name']}: predicted {p['memory_gib']:.1f} GiB, step {p['step_time_s']} s, "
+              f"{p['tokens_per_s_per_gpu']:,.0f} tok/s/GPU{' (above the headroom)' if p['tight'] else ''}")
+
+
+def run(path: Path, out: Path, only: str) -> None:
+    doc = json.loads(path.read_text())
+    lo, hi = (int(x) for x in only.split("-")) if only else (0, len(doc["runs"]) - 1)
+    out.mkdir(parents=True, exist_ok=True)
+    models = models_folder(out / "models")
+    results = []
+    for i, r in enumerate(doc["runs"]):
+        if not lo <= i <= hi:
+            continue
+        argv = [sys.executable, "-m", "paraseek", *shlex.split(r["command"].replace("{models}", str(models)))[1:]]
+        t0 = time.time()
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": str(ROOT / "src")})
+        m = re.search(r'^\{\s*"runs".*', p.stdout, re.S | re.M)
+        measured = json.loads(p.stdout[m.start():p.stdout.rindex("}") + 1])["runs"][-1] if p.returncode == 0 and m \
+            else {}
+        row = {"name": r["name"], "rc": p.returncode, "seconds": round(time.time() - t0), "predicted": r["predicted"]}
+        if measured:
+            pred = r["predicted"]
+            row["measured"] = {k: measured[k] for k in ("step_time_s", "tokens_per_s_per_gpu", "mem_peak_gib", "mfu")}
+            row["step_time_error"] = pred["step_time_s"] / measured["step_time_s"] - 1 if pred["step_time_s"] else None
+            row["memory_error"] = pred["memory_gib"] / measured["mem_peak_gib"] - 1
+        else:
+            row["tail"] = (p.stdout + p.stderr)[-2000:]
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
+        (out / "compiled-oos.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", metavar="FILE.json", help="price the OOS commands and write them with the predictions")
+    p.add_argument("--run", metavar="FILE.json", help="run the commands of a predictions file (GPU machine)")
+    p.add_argument("--out", default="/tmp/compiled-oos", help="with --run: where the results go")
+    p.add_argument("--only", default="", help="with --run: a range of run indices, e.g. 0-5")
+    a = p.parse_args()
+    if a.write:
+        write(Path(a.write))
+    elif a.run:
+        run(Path(a.run), Path(a.out), a.only)
+    else:
+        p.error("give --write FILE.json or --run FILE.json")
+
+
+if __name__ == "__main__":
+    main()
