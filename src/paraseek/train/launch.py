@@ -24,11 +24,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if "LOCAL_RANK" in os.environ:  # started by torchrun (or another launcher) directly: one worker of many
         local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
         cfg.nproc, cfg.nnodes = local, world // local
+        first = os.environ.get("RANK", "0") == "0"
         try:
             cfg = resolve_defaults(cfg, cuda, gpus)
             validate(cfg, cuda, gpus)
+            _check_checkpoint_dir(cfg, owner=first)
         except UserError as e:
-            if os.environ.get("RANK", "0") == "0":
+            if first:
                 print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
             return 2
         from paraseek.train.worker import run
@@ -50,7 +52,29 @@ def prepare(cfg: TrainConfig, with_prediction: bool = False) -> tuple[TrainConfi
         cfg = apply_auto_plan(cfg)
     validate(cfg, cuda, gpus)
     _check_data(cfg)
+    _check_checkpoint_dir(cfg)
     return cfg, (_predict(cfg) if with_prediction and cuda else None)
+
+
+def _check_checkpoint_dir(cfg: TrainConfig, owner: bool = True) -> None:
+    """checkpoint.prepare_checkpoint_dir with this model's parameter names and shapes from a meta-device build (no
+    memory), printing from one process only."""
+    from paraseek.train.checkpoint import prepare_checkpoint_dir
+
+    def shapes() -> dict[str, tuple[int, ...]]:
+        import torch
+
+        from paraseek.models import resolve_model
+        from paraseek.models.deepseek import Transformer
+
+        args, _, _ = resolve_model(cfg.init_from or cfg.model)
+        with torch.device("meta"):
+            return {name: tuple(t.shape) for name, t in Transformer(args).state_dict().items()}
+
+    say = (lambda line: print(line, flush=True)) if owner else (lambda line: None)
+    warn = (lambda line: print(f"paraseek: warning: --resume: {line}", file=sys.stderr, flush=True)) if owner \
+        else None
+    prepare_checkpoint_dir(cfg, shapes, owner=owner, log=say, warn=warn)
 
 
 def _predict(cfg: TrainConfig) -> dict | None:

@@ -44,7 +44,7 @@ from paraseek.train.checkpoint import full_model_state, save_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader, open_dataset
 from paraseek.train.moe import ExpertBalance
-from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, token_loss
+from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, resumed_schedule, schedule_of, token_loss
 
 
 def _local_bytes(tensors) -> int:
@@ -130,7 +130,10 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                         dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp)
     optimizer = build_optimizer(m.params, cfg, device)
     run = Run(cfg, mesh, m, loader, optimizer, device, recorder)
-    run.start_step = resume(cfg, m.inner, optimizer, loader, run.is_main)
+    state = resume(cfg, m.inner, optimizer, loader, run.scaler, run.is_main)
+    if state is not None:
+        run.start_step, run.schedule = state["step"], resumed_schedule(cfg, state)
+        run.mark_resume(state)
     run.print_header()
     run.profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, run.rank, first_step=run.start_step + 1) \
         if cfg.profile_steps else None
@@ -173,6 +176,8 @@ class Run:
         self.flops_per_token = flops_per_token(m.args, cfg.seq_len)
         self.peak = peak_flops(torch.cuda.get_device_name(device), cfg.precision) if device.type == "cuda" else None
         self.start_step, self.profiler = 0, None
+        self.schedule = cfg  # what lr_at follows: after --resume, the original run's schedule (resumed_schedule)
+        self.checkpoint: Path | None = None  # the newest checkpoint this run wrote
         self.step_times: list[float] = []
         self.losses: list[float] = []
         self.metrics: dict = {}
@@ -182,7 +187,7 @@ class Run:
         the step's loss and health -> update -> MoE balancing -> telemetry and checkpoint."""
         cfg, mesh, optimizer = self.cfg, self.mesh, self.optimizer
         t0 = time.perf_counter()
-        lr = lr_at(cfg, step)
+        lr = lr_at(self.schedule, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = self.loader.next_step()
@@ -210,11 +215,29 @@ class Run:
                 self.logger.event("model_state", step, detail="bytes per rank", **layout)
         optimizer.zero_grad(set_to_none=True)
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
-        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
-            path = save_checkpoint(cfg.checkpoint_dir, step, self.m.inner, optimizer,
-                                   {"data": self.loader.state_dict(), "config": dataclasses.asdict(cfg)})
+        every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if cfg.checkpoint_dir and (every or step == cfg.steps):
+            self.checkpoint = save_checkpoint(
+                cfg.checkpoint_dir, step, self.m.inner, optimizer,
+                {"data": self.loader.state_dict(), "config": dataclasses.asdict(cfg),
+                 "lr_schedule": schedule_of(self.schedule)}, keep_last=cfg.keep_last, scaler=self.scaler)
             if self.is_main:
-                print(f"checkpoint: {path}", flush=True)
+                print(f"checkpoint: {self.checkpoint}", flush=True)
+
+    def mark_resume(self, state: dict) -> None:
+        """Say on the console and in the metrics file where this run continues from, and which lr schedule it
+        follows when this command's differs from it."""
+        if not self.is_main:
+            return
+        kept, asked = schedule_of(self.schedule), schedule_of(self.cfg)
+        detail = f"resumed from {state['path']} at step {state['step']}"
+        if kept != asked:
+            ours = ", ".join(f"{k} {v}" for k, v in kept.items() if v != asked[k])
+            theirs = ", ".join(f"{k} {v}" for k, v in asked.items() if v != kept[k])
+            print(f"lr schedule: the resumed run's ({ours}) is kept, not this command's ({theirs}); "
+                  f"--lr-schedule-reset follows this command's", flush=True)
+            detail += f"; the resumed run's lr schedule is kept ({ours})"
+        self.logger.event("resume", state["step"], detail=detail, checkpoint=state["path"], lr_schedule=kept)
 
     def _health(self, step: int, loss: float, grad_norm: float) -> str:
         """NaN, loss spike and grad-norm explosion: logged, and what --on-anomaly does about them (stop raises)."""
