@@ -1,6 +1,6 @@
 """The checkpoint folder's rules on real DCP folders (written in this process, no process group): which step
---resume takes past each kind of damage, what is refused before a worker starts (one line, exit code 2), and the lr
-schedule a resume keeps."""
+--resume takes past each kind of damage, what is refused before a worker starts (one line, exit code 2), the resume
+command a stopped run prints, and the lr schedule a resume keeps."""
 
 import json
 import warnings
@@ -16,6 +16,7 @@ from paraseek.models import build_model, resolve_model
 from paraseek.train.checkpoint import latest_checkpoint, prepare_checkpoint_dir
 from paraseek.train.config import TrainConfig
 from paraseek.train.optim import lr_at, resumed_schedule, schedule_of
+from paraseek.train.stop import ARGV_ENV, resume_command, stop_message
 
 TRAIN = ["train", "--device", "cpu", "--model", "tiny-dense", "--nproc", "2", "--seq-len", "32",
          "--global-batch-size", "8", "--micro-batch-size", "2"]
@@ -63,6 +64,7 @@ def test_resume_takes_the_newest_complete_step_past_each_kind_of_damage(tmp_path
 
 
 def _train(argv, capsys, monkeypatch):
+    monkeypatch.setenv(ARGV_ENV, "")  # cmd_train sets it for its workers; monkeypatch puts it back
     code = main(TRAIN + argv)
     err = capsys.readouterr().err.strip()
     return code, err
@@ -108,6 +110,19 @@ def test_overwrite_removes_and_a_new_folder_starts_from_step_0(tmp_path):
     prepare_checkpoint_dir(replace(cfg, overwrite=False, resume=True), _shapes)  # this model's: fine
     with pytest.raises(UserError, match="already holds checkpoints"):
         prepare_checkpoint_dir(replace(cfg, overwrite=False), _shapes)
+
+
+def test_the_resume_command_and_the_line_without_a_checkpoint_folder(monkeypatch):
+    assert resume_command(["train", "--steps", "8", "--overwrite", "--data", "my corpus", "--resume", "false"]) == \
+        "paraseek train --steps 8 --data 'my corpus' --resume"
+    assert resume_command(["train", "--overwrite=true", "--resume"]) == "paraseek train --resume"
+    assert resume_command(["train", "--config", "run.toml"], overwrite=True) == \
+        "paraseek train --config run.toml --overwrite false --resume"  # the file may hold overwrite = true
+    monkeypatch.setenv(ARGV_ENV, json.dumps(["train", "--checkpoint-dir", "ck"]))
+    assert stop_message(15, 7, "ck/step-000007") == ("paraseek: stopped by SIGTERM after step 7, saved ck/step-000007; "
+                                                     "resume with: paraseek train --checkpoint-dir ck --resume")
+    assert stop_message(2, 7, None) == ("paraseek: stopped by SIGINT after step 7; nothing was saved (no "
+                                        "--checkpoint-dir): add --checkpoint-dir DIR to be able to resume a stopped run")
 
 
 def test_a_resume_keeps_the_original_lr_schedule_unless_reset():

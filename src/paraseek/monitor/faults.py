@@ -2,7 +2,8 @@
 
     nan@STEP          the loss (and so every gradient) becomes NaN on every rank at STEP
     spike@STEP        the loss (and every gradient) is multiplied by 1e3 on every rank at STEP
-    hang@RANK:STEP    RANK stops before the first collective of STEP and never comes back
+    hang@RANK:STEP    RANK stops before the first collective of STEP and comes back only to a signal (the
+                      launcher's SIGTERM once another rank gave up on it)
     slow@RANK:MS      RANK sleeps MS milliseconds before every step (a straggler)
     crash@RANK:STEP   RANK raises RuntimeError("injected crash ...") before STEP
     oom@RANK:STEP     RANK raises torch.OutOfMemoryError before STEP (the OOM report and advice, on any device)
@@ -82,10 +83,12 @@ def check_faults(faults: list[Fault], world: int, steps: int) -> None:
 class FaultInjector:
     """The loop's hooks. With no faults every hook is a no-op that costs one attribute test."""
 
-    def __init__(self, faults: list[Fault] | str, rank: int, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, faults: list[Fault] | str, rank: int, sleep: Callable[[float], None] = time.sleep,
+                 signalled: Callable[[], int] = lambda: 0):
         self.faults = parse_faults(faults) if isinstance(faults, str) else list(faults)
         self.rank = rank
         self._sleep = sleep  # tests pass a recorder instead of really sleeping
+        self._signalled = signalled  # the signal this process got (train/stop.py's STOP), 0 for none
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -117,5 +120,8 @@ class FaultInjector:
                 raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {self.rank} at step {step}, "
                                              f"--inject-fault {f})")
             elif f.kind == "hang" and f.step == step:
-                while True:  # until the job's comm timeout ends it
-                    self._sleep(3600.0)
+                # Until the job's comm timeout ends it: a peer gives up and the launcher SIGTERMs this rank, which
+                # the worker's handler only notes (a hung process that is not stuck in a kernel would see it too).
+                while not self._signalled():
+                    self._sleep(1.0)
+                raise RuntimeError(f"injected hang on rank {self.rank} at step {step} ended by a signal")

@@ -24,7 +24,7 @@ from typing import Any
 KEY = "paraseek/progress/{rank}"
 FAILED_KEY = "paraseek/failures"
 # Order of the phases within a step; a rank at (step, phase) has passed every earlier (step, phase).
-PHASES = {"start": 0, "before_step": 1, "after_step": 2, "done": 3}
+PHASES = {"start": 0, "before_step": 1, "after_step": 2, "done": 3, "stopped": 3}  # stopped: by SIGINT/SIGTERM
 FR_DIR = "flight_recorder"  # Flight Recorder dumps: RUN_DIR/flight_recorder/rank{R}
 
 
@@ -58,8 +58,8 @@ class ProgressRecorder:
 
     def mark(self, step: int, phase: str) -> None:
         """Record that this rank reached `phase` of `step` (a store round trip and a small file write)."""
-        self.last = {"rank": self.rank, "host": self.host, "step": step, "phase": phase, "time": time.time(),
-                     "started": self.started, "attempt": self.attempt}
+        self.last = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": step, "phase": phase,
+                     "time": time.time(), "started": self.started, "attempt": self.attempt}
         text = json.dumps(self.last)
         if self.store is not None:
             self.store.set(KEY.format(rank=self.rank), text)

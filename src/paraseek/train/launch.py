@@ -1,6 +1,13 @@
 """`paraseek train`: validate in the parent, then re-launch through torch's own launcher (torch.distributed.run)
 with N processes per node, each running train/worker.py, which reads the resolved config from the environment (so
-every rank runs exactly the same configuration, and no worker parses arguments again)."""
+every rank runs exactly the same configuration, and no worker parses arguments again).
+
+Signals: torch's agent starts each worker in a session of its own, so a Ctrl-C in the terminal reaches only this
+process. It passes SIGINT/SIGTERM on to the workers (they finish the step, save, exit 130/143: train/stop.py) and
+exits with their code; a second Ctrl-C kills them at once. torch's agent would pass the first one on too, but kill
+the workers 30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), in the middle of a large save, and leave them running when
+a second Ctrl-C interrupts its wait -- so SIGINT and SIGTERM are taken from it here.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,13 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
+from pathlib import Path
 
 from paraseek.errors import UserError
 from paraseek.train.config import TrainConfig, from_namespace, resolve_defaults, validate
+from paraseek.train.stop import ARGV_ENV
 from paraseek.train.worker import CONFIG_ENV
 
 
@@ -19,6 +29,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     import torch
 
     cfg = from_namespace(ns)
+    os.environ[ARGV_ENV] = json.dumps(ns.argv)  # for the resume command a stopped run prints
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
     if "LOCAL_RANK" in os.environ:  # started by torchrun (or another launcher) directly: one worker of many
@@ -167,7 +178,7 @@ def launch(cfg: TrainConfig) -> int:
     else:
         argv += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={cfg.rdzv_endpoint}"]
-    argv += ["-m", "paraseek.train.worker"]
+    argv += ["--signals-to-handle=SIGHUP,SIGQUIT", "-m", "paraseek.train.worker"]  # SIGINT, SIGTERM: _PassOn
     os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
@@ -178,33 +189,86 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.device == "cuda":
         # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    passer = _PassOn(bool(cfg.checkpoint_dir))
+    previous = {signum: signal.signal(signum, passer) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         run(get_args_parser().parse_args(argv))
         return 0
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        codes = {f.exitcode for f in e.failures.values()}
-        if 2 in codes:
-            return 2  # a user error, already printed by rank 0
-        from paraseek.monitor.progress import REPORTED
+        return _failed(cfg, e, passer.signum)
+    except KeyboardInterrupt:  # a second Ctrl-C (the workers are killed), or a signal before any worker started
+        print("paraseek: stopped at once; the step in progress was not saved", file=sys.stderr)
+        return 128 + (passer.signum or signal.SIGINT)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
-        if failure.exitcode == REPORTED:
-            return 1  # the first failing worker printed the cause in one line
-        how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
-        # A worker killed before it could report (NCCL's watchdog aborts on a timeout): the progress records and
-        # Flight Recorder dumps in the run folder still say who did not reach which step.
-        from paraseek.monitor.diagnose import diagnose
 
+def _worker_pids() -> list[int]:
+    """The worker processes this launcher started (torch's agent runs them as its children)."""
+    me, pids = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            verdict = diagnose(cfg.run_dir)
-        except UserError:  # no run folder was written
-            return 1
-        if verdict.get("verdict") not in (None, "ok", "stopped"):
-            print(f"paraseek: {verdict['message']}", file=sys.stderr)
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state, ppid, ...
+            if ppid == me and b"paraseek.train.worker" in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+    return pids
+
+
+class _PassOn:
+    """The launcher's SIGINT/SIGTERM handler: the first signal goes on to the workers; a second SIGINT kills them
+    (KeyboardInterrupt then ends torch's agent, which finds them gone)."""
+
+    def __init__(self, saves: bool):
+        self.signum, self.saves = 0, saves
+
+    def __call__(self, signum: int, frame) -> None:
+        pids = _worker_pids()
+        if (self.signum and signum == signal.SIGINT) or not pids:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            self.signum = self.signum or signum
+            raise KeyboardInterrupt
+        if self.signum:
+            return  # a second SIGTERM: the workers are stopping already
+        self.signum = signum
+        for pid in pids:
+            os.kill(pid, signum)
+        then = "saves it and stops" if self.saves else "stops (no --checkpoint-dir: nothing will be saved)"
+        # os.write: print() may be in the middle of a line when the signal comes
+        os.write(2, f"paraseek: {signal.Signals(signum).name}: every rank finishes the step it is in, {then}; "
+                    f"Ctrl-C again to stop at once\n".encode())
+
+
+def _failed(cfg: TrainConfig, e, signum: int) -> int:
+    """The launcher's exit code for failed workers, and the one line when no worker printed it: a user error (2,
+    printed by rank 0), a stop on SIGINT/SIGTERM (130/143, rank 0 printed the resume command), a crash (printed by
+    the rank), else the first failure's exit code and what `paraseek diagnose` makes of it."""
+    from paraseek.monitor.progress import REPORTED
+
+    codes = {rank: f.exitcode for rank, f in e.failures.items()}
+    if 2 in codes.values():
+        return 2
+    if set(codes.values()) <= {130, 143}:
+        return 128 + signum if signum else max(codes.values())
+    if REPORTED in codes.values():
+        return 1  # the first failing worker printed the cause in one line
+    rank, failure = e.get_first_failure()
+    how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
+    # A worker killed before it could report (NCCL's watchdog aborts on a timeout): the progress records and
+    # Flight Recorder dumps in the run folder still say who did not reach which step.
+    from paraseek.monitor.diagnose import diagnose
+
+    try:
+        verdict = diagnose(cfg.run_dir)
+    except UserError:  # no run folder was written
         return 1
-    except KeyboardInterrupt:
-        return 130
+    if verdict.get("verdict") not in (None, "ok", "interrupted", "stopped"):
+        print(f"paraseek: {verdict['message']}", file=sys.stderr)
+    return 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -2,6 +2,9 @@
 (parallel/mesh.py), the model (train/build.py), the data and the optimizer (train/optim.py) set up once, then
 `Run.step` per optimizer step, with `make_forward_backward` running the micro-batches (pipelined or not).
 
+SIGINT/SIGTERM (train/stop.py notes them) travel in the step's one gather of step times, so every rank sees the
+same request after the same step: all of them save that step and leave with 130/143.
+
 Loss normalization makes every data-parallel layout compute the same thing: rank r minimizes
 sum(token losses on r) / (tokens per rank per step); FSDP/DDP average gradients over the dp ranks, so the update
 is that of mean(token losses over the global batch) -- identical to one process with gradient accumulation.
@@ -29,8 +32,8 @@ from paraseek.hardware.specs import peak_flops
 from paraseek.models import flops_per_token, param_counts, resolve_model
 from paraseek.models.hf import save_hf_state
 from paraseek.monitor.faults import FaultInjector
-from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_hosts,
-                                     gather_step_times, log_event, nonfinite_report, step_time_stats)
+from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_floats,
+                                     gather_hosts, log_event, nonfinite_report, own_step_times, step_time_stats)
 from paraseek.monitor.metrics import MetricsLogger
 from paraseek.monitor.oom import cheapest_fix, write_snapshot
 from paraseek.monitor.profile import StepProfiler, report_all_ranks
@@ -45,6 +48,7 @@ from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader, open_dataset
 from paraseek.train.moe import ExpertBalance
 from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, resumed_schedule, schedule_of, token_loss
+from paraseek.train.stop import STOP, stop_message
 
 
 def _local_bytes(tensors) -> int:
@@ -141,6 +145,8 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     t_run = time.perf_counter()
     for step in range(run.start_step + 1, cfg.steps + 1):
         run.step(step)
+        if run.stop_signal and step < cfg.steps:  # at the last step the run is complete: it ends as usual
+            return run.stop(step)
     if cfg.export_hf:
         state = full_model_state(m.inner, mesh.stage_leaders)
         if run.is_main:
@@ -167,7 +173,7 @@ class Run:
         self.fused = optimizer if optimizer.defaults.get("fused") and self.scaler is None else None
         self.experts = ExpertBalance(cfg, m.inner, m.parts, m.stage_ids, mesh, device) if m.args.n_routed_experts \
             else None
-        self.faults = FaultInjector(cfg.inject_fault, self.rank)
+        self.faults = FaultInjector(cfg.inject_fault, self.rank, signalled=lambda: STOP.signum)
         self.forward_backward = make_forward_backward(cfg, m, mesh, device, self.faults, self.experts, self.scaler)
         self.health, self.stragglers, self.hosts = HealthMonitor(), StragglerDetector(self.world), gather_hosts()
         self.logger = MetricsLogger(enabled=self.is_main, total_steps=cfg.steps, jsonl=cfg.metrics_jsonl,
@@ -177,6 +183,7 @@ class Run:
         self.peak = peak_flops(torch.cuda.get_device_name(device), cfg.precision) if device.type == "cuda" else None
         self.start_step, self.profiler = 0, None
         self.schedule = cfg  # what lr_at follows: after --resume, the original run's schedule (resumed_schedule)
+        self.stop_signal = 0  # SIGINT/SIGTERM on any rank, known to every rank after the step's gather
         self.checkpoint: Path | None = None  # the newest checkpoint this run wrote
         self.step_times: list[float] = []
         self.losses: list[float] = []
@@ -216,7 +223,7 @@ class Run:
         optimizer.zero_grad(set_to_none=True)
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-        if cfg.checkpoint_dir and (every or step == cfg.steps):
+        if cfg.checkpoint_dir and (every or step == cfg.steps or self.stop_signal):
             self.checkpoint = save_checkpoint(
                 cfg.checkpoint_dir, step, self.m.inner, optimizer,
                 {"data": self.loader.state_dict(), "config": dataclasses.asdict(cfg),
@@ -239,6 +246,19 @@ class Run:
             detail += f"; the resumed run's lr schedule is kept ({ours})"
         self.logger.event("resume", state["step"], detail=detail, checkpoint=state["path"], lr_schedule=kept)
 
+    def stop(self, step: int) -> int:
+        """After the step in which SIGINT/SIGTERM reached some rank (saved by step() when a folder is set): one line
+        with the command that resumes, a "stop" event, and 128 + the signal as exit code."""
+        checkpoint = str(self.checkpoint) if self.cfg.checkpoint_dir else None  # step() saved this step
+        message = stop_message(self.stop_signal, step, checkpoint, self.cfg.overwrite)
+        self.recorder.mark(step, "stopped")
+        if self.is_main:
+            self.logger.event("stop", step, detail=message.removeprefix("paraseek: "), signal=self.stop_signal,
+                              checkpoint=checkpoint)
+            print(message, file=sys.stderr, flush=True)
+        self.logger.close()
+        return 128 + self.stop_signal
+
     def _health(self, step: int, loss: float, grad_norm: float) -> str:
         """NaN, loss spike and grad-norm explosion: logged, and what --on-anomaly does about them (stop raises)."""
         # fp16: an inf grad norm is the scaler's business (it skips the step and lowers the scale), not an anomaly
@@ -259,7 +279,11 @@ class Run:
     def _report(self, step: int, dt: float, ready_s: float, loss: float, grad_norm: float, lr: float,
                 moe_metrics: dict) -> None:
         """Every rank's step time (stragglers), the progress mark, the step's metrics and the profiler."""
-        rank_times = gather_step_times(dt, ready_s)  # every rank's time, the wait for the slowest taken out
+        # One small collective per step: every rank's step time and time to its first collective (straggler
+        # detection takes the wait for the slowest out) and the signal, if any, that asked it to stop.
+        rows = gather_floats([dt, ready_s, STOP.signum])
+        rank_times = own_step_times([r[0] for r in rows], [r[1] for r in rows])
+        self.stop_signal = int(max(r[2] for r in rows))  # ranks that got different ones: SIGTERM's 15 wins
         self.recorder.mark(step, "after_step")  # after the step's last collective
         if step == self.start_step + 1 and self.cfg.comm_timeout:
             set_comm_timeout(self.cfg.comm_timeout)  # after warm-up: the first step may compile and allocate
