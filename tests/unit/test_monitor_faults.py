@@ -8,9 +8,9 @@ from paraseek.monitor.faults import SPIKE_FACTOR, Fault, FaultInjector, check_fa
 
 
 def test_parse_every_form():
-    assert parse_faults("nan@3, spike@7,hang@1:4,slow@1:400,crash@0:2") == [
+    assert parse_faults("nan@3, spike@7,hang@1:4,slow@1:400,crash@0:2,kill@1:3") == [
         Fault("nan", step=3), Fault("spike", step=7), Fault("hang", step=4, rank=1), Fault("slow", rank=1, ms=400),
-        Fault("crash", step=2, rank=0),
+        Fault("crash", step=2, rank=0), Fault("kill", step=3, rank=1),
     ]
     assert parse_faults("") == [] and parse_faults(None) == []
     assert [str(f) for f in parse_faults("hang@1:4,slow@1:400,nan@3")] == ["hang@1:4", "slow@1:400", "nan@3"]

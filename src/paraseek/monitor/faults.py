@@ -7,13 +7,16 @@
     slow@RANK:MS      RANK sleeps MS milliseconds before every step (a straggler)
     crash@RANK:STEP   RANK raises RuntimeError("injected crash ...") before STEP
     oom@RANK:STEP     RANK raises torch.OutOfMemoryError before STEP (the OOM report and advice, on any device)
+    kill@RANK:STEP    RANK is killed by SIGKILL before STEP (what the kernel's out-of-memory killer does)
 
 Several faults are separated by commas: `--inject-fault slow@1:400,nan@20`.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,15 +26,15 @@ import torch
 from paraseek.errors import UserError
 
 SPIKE_FACTOR = 1e3  # large enough that a robust z-score over any sane loss history flags it
-FORMS = "nan@STEP, spike@STEP, hang@RANK:STEP, slow@RANK:MS, crash@RANK:STEP or oom@RANK:STEP"
+FORMS = "nan@STEP, spike@STEP, hang@RANK:STEP, slow@RANK:MS, crash@RANK:STEP, oom@RANK:STEP or kill@RANK:STEP"
 _STEP_ONLY = ("nan", "spike")
-_RANK_AND = ("hang", "slow", "crash", "oom")
+_RANK_AND = ("hang", "slow", "crash", "oom", "kill")
 _SPEC = re.compile(r"^([a-z]+)@(\d+)(?::(\d+))?$")
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | spike | hang | slow | crash | oom
+    kind: str  # nan | spike | hang | slow | crash | oom | kill
     step: int | None = None  # the step it fires at (nan, spike, hang, crash)
     rank: int | None = None  # the rank it fires on (hang, slow, crash); None = every rank
     ms: int = 0  # slow: the delay per step
@@ -119,6 +122,8 @@ class FaultInjector:
             elif f.kind == "oom" and f.step == step:
                 raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {self.rank} at step {step}, "
                                              f"--inject-fault {f})")
+            elif f.kind == "kill" and f.step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "hang" and f.step == step:
                 # Until the job's comm timeout ends it: a peer gives up and the launcher SIGTERMs this rank, which
                 # the worker's handler only notes (a hung process that is not stuck in a kernel would see it too).

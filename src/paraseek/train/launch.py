@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from paraseek.errors import UserError
@@ -191,11 +192,12 @@ def launch(cfg: TrainConfig) -> int:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     passer = _PassOn(bool(cfg.checkpoint_dir))
     previous = {signum: signal.signal(signum, passer) for signum in (signal.SIGINT, signal.SIGTERM)}
+    started = time.time()
     try:
         run(get_args_parser().parse_args(argv))
         return 0
     except ChildFailedError as e:
-        return _failed(cfg, e, passer.signum)
+        return _failed(cfg, e, passer.signum, started)
     except KeyboardInterrupt:  # a second Ctrl-C (the workers are killed), or a signal before any worker started
         print("paraseek: stopped at once; the step in progress was not saved", file=sys.stderr)
         return 128 + (passer.signum or signal.SIGINT)
@@ -242,19 +244,31 @@ class _PassOn:
                     f"Ctrl-C again to stop at once\n".encode())
 
 
-def _failed(cfg: TrainConfig, e, signum: int) -> int:
+def _failed(cfg: TrainConfig, e, signum: int, started: float) -> int:
     """The launcher's exit code for failed workers, and the one line when no worker printed it: a user error (2,
-    printed by rank 0), a stop on SIGINT/SIGTERM (130/143, rank 0 printed the resume command), a crash (printed by
-    the rank), else the first failure's exit code and what `paraseek diagnose` makes of it."""
-    from paraseek.monitor.progress import REPORTED
+    printed by rank 0), a stop on SIGINT/SIGTERM (130/143, rank 0 printed the resume command), a rank killed by a
+    signal (the crash report it could not write goes to RUN_DIR/errors/), a crash (printed by the rank), ranks that
+    lost a peer on another node, else the first failure's exit code and what `paraseek diagnose` makes of it."""
+    from paraseek.monitor.progress import PEER_LOST, REPORTED, killed_message, record_killed
 
     codes = {rank: f.exitcode for rank, f in e.failures.items()}
     if 2 in codes.values():
         return 2
     if set(codes.values()) <= {130, 143}:
         return 128 + signum if signum else max(codes.values())
+    # SIGKILL is what the out-of-memory killer sends (other signals, e.g. NCCL's watchdog's SIGABRT, are left to the
+    # diagnosis below: that one is a hang).
+    killed = sorted((f.timestamp, rank) for rank, f in e.failures.items() if f.exitcode == -signal.SIGKILL)
+    if killed:
+        report = record_killed(cfg.run_dir, killed[0][1], signal.SIGKILL, since=started)
+        print(f"paraseek: {killed_message(report)}; the job was stopped on all ranks", file=sys.stderr)
+        return 1
     if REPORTED in codes.values():
         return 1  # the first failing worker printed the cause in one line
+    if set(codes.values()) == {PEER_LOST}:
+        print(f"paraseek: rank {min(codes)} lost its connection to the other ranks: a rank of another node died "
+              f"(that node's output, or `paraseek diagnose` of the run folder, names it)", file=sys.stderr)
+        return 1
     rank, failure = e.get_first_failure()
     how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)

@@ -37,7 +37,8 @@ from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_a
 from paraseek.monitor.metrics import MetricsLogger
 from paraseek.monitor.oom import cheapest_fix, write_snapshot
 from paraseek.monitor.profile import StepProfiler, report_all_ranks
-from paraseek.monitor.progress import REPORTED, ProgressRecorder, report_failure, set_comm_timeout
+from paraseek.monitor.progress import (PEER_LOST, REPORTED, ProgressRecorder, is_peer_lost, report_failure,
+                                       set_comm_timeout)
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import DTYPES
 from paraseek.parallel.pipeline import Pipeline, describe
@@ -103,7 +104,7 @@ def train(cfg: TrainConfig) -> int:
                 gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "H200"
                 head = f"allocator snapshot: {snapshot}\n" if snapshot else "(a CPU run: the advice is for H200s)\n"
                 print(head + cheapest_fix(args, cfg, gpu), file=sys.stderr, flush=True)
-        return REPORTED  # no destroy_process_group: the peers are gone or stuck
+        return PEER_LOST if is_peer_lost(e) else REPORTED  # no destroy_process_group: the peers are gone or stuck
     dist.destroy_process_group()
     return rc
 

@@ -16,8 +16,8 @@ CONFIG_ENV = "PARASEEK_TRAIN_CONFIG"  # the parent's resolved TrainConfig as JSO
 
 
 def run(cfg: TrainConfig) -> None:
-    """Train, then exit with its code: 0, 2 for a user error (printed by rank 0), progress.REPORTED for a failure,
-    130/143 when SIGINT/SIGTERM stopped it."""
+    """Train, then exit with its code: 0, 2 for a user error (printed by rank 0), progress.REPORTED or
+    progress.PEER_LOST for a failure, 130/143 when SIGINT/SIGTERM stopped it."""
     STOP.install()  # first: the imports below take seconds
     from paraseek.train.loop import train
 
