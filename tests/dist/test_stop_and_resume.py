@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_helpers import EXACT, SRC, assert_same_losses, plain_torch_losses, run_train, seed_checkpoint, step_losses
+from dist_helpers import EXACT, SRC, assert_same_losses, plain_torch_losses, run_train, seed_checkpoint
+
+from paraseek.cli import main
 
 pytestmark = pytest.mark.dist
 STEPS, LR, FLOOR = 10, 0.01, 0.001  # EXACT's lr 0.01; the cosine ends at lr * min_lr_ratio (0.1)
@@ -54,10 +56,11 @@ def _when_step_done(tmp_path: Path, step: int, proc: subprocess.Popen) -> None:
         time.sleep(0.02)
 
 
-def _diagnose(tmp_path: Path) -> tuple[int, dict]:
-    r = subprocess.run([sys.executable, "-m", "paraseek", "diagnose", "run", "--json"], capture_output=True,
-                       text=True, env=dict(os.environ, PYTHONPATH=SRC), cwd=tmp_path, timeout=120)
-    return r.returncode, json.loads(r.stdout)
+def _diagnose(tmp_path: Path, capsys) -> tuple[int, dict]:
+    """`paraseek diagnose RUN_DIR --json` (in this process: the command is a file reader)."""
+    capsys.readouterr()
+    code = main(["diagnose", str(tmp_path / "run"), "--json"])
+    return code, json.loads(capsys.readouterr().out)
 
 
 def _stopped_at(tmp_path: Path, proc: subprocess.Popen, code: int, name: str) -> tuple[int, str]:
@@ -120,23 +123,23 @@ def test_sigint_saves_the_step_and_the_printed_command_resumes_past_damage(refer
     assert sorted(p.name for p in ck.iterdir()) == ["latest", f"step-{k:06d}", "step-000012"]
 
 
-def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, capsys):
     proc = _start(*COMMON, "--checkpoint-dir", "ck", cwd=tmp_path)
     _when_step_done(tmp_path, 2, proc)
     rank1 = json.loads((tmp_path / "run" / "progress" / "rank1.json").read_text())
     os.kill(rank1["pid"], signal.SIGTERM)  # as a job scheduler may: to a worker, not the launcher
     k, _ = _stopped_at(tmp_path, proc, 143, "SIGTERM")
-    code, d = _diagnose(tmp_path)
+    code, d = _diagnose(tmp_path, capsys)
     assert (code, d["verdict"], d["step"]) == (0, "interrupted", k)
     assert {r["phase"] for r in d["progress"]} == {"stopped"}
 
 
-def test_a_sigkilled_rank_is_named_by_the_run_and_by_diagnose(tmp_path):
+def test_a_sigkilled_rank_is_named_by_the_run_and_by_diagnose(tmp_path, capsys):
     r = run_train(*COMMON, "--steps", "6", "--inject-fault", "kill@1:3", cwd=tmp_path, check=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("paraseek:")]
     assert len(lines) == 1 and lines[0].startswith("paraseek: rank 1 was killed (signal 9: SIGKILL) at step 3")
-    code, d = _diagnose(tmp_path)
+    code, d = _diagnose(tmp_path, capsys)
     assert (code, d["verdict"], d["step"], d["rank"]) == (1, "killed", 3, 1)
     assert d["message"].startswith("rank 1 was killed (signal 9: SIGKILL) at step 3")
 
