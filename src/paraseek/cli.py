@@ -85,8 +85,10 @@ def cmd_demo(ns: argparse.Namespace) -> int:
         argv = ["train", "--model", "tiny-moe", "--device", "cpu", "--nproc", "4", "--dp-replicate", "2",
                 "--dp-shard", "2", "--seq-len", "128", "--global-batch-size", "16", "--micro-batch-size", "4",
                 "--steps", str(ns.steps or 300), "--lr", "3e-3", "--warmup-steps", "20", "--log-every", "20"]
+    # --overwrite: each `make demo` starts the demo again in its own folder (a checkpoint folder that holds
+    # checkpoints is otherwise refused without --resume).
     argv += ["--data", str(BUNDLED_CORPUS), "--metrics-jsonl", "runs/demo/metrics.jsonl",
-             "--tensorboard", "runs/demo/tb", "--checkpoint-dir", "runs/demo/checkpoints"]
+             "--tensorboard", "runs/demo/tb", "--checkpoint-dir", "runs/demo/checkpoints", "--overwrite"]
     print("paraseek demo: " + " ".join(["paraseek", *argv]), flush=True)
     rc = main(argv)
     if rc != 0:

@@ -56,6 +56,34 @@ def seeded_model(args):
     return model
 
 
+def plain_torch_losses(folder, steps: int, lr_of=lambda step: 0.01) -> dict[int, float]:
+    """The engine's losses computed another way: about 30 lines that share nothing with the engine but the model code
+    and the data (EXACT's synthetic data, batch and sequence; `lr_of(step)` the learning rate of each step)."""
+    import torch.nn.functional as F
+
+    from paraseek.models import load_pretrained
+    from paraseek.train.data import open_dataset
+
+    global_batch, seq = 8, 32
+    model = load_pretrained(folder, dtype=torch.float32)
+    # The engine's documented settings: AdamW(0.9, 0.95), eps 1e-8, weight decay 0.1, global-norm clip 1.0.
+    opt = torch.optim.AdamW(model.parameters(), lr=lr_of(1), betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    data = open_dataset("synthetic", seq_len=seq, vocab_size=model.args.vocab_size, seed=0)
+    losses = {}
+    for step in range(1, steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = lr_of(step)
+        batch = torch.stack([data.sequence(i) for i in range((step - 1) * global_batch, step * global_batch)])
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())  # the mean over the global batch
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses[step] = loss.item()
+    return losses
+
+
 def assert_same_losses(got: dict[int, float], ref: dict[int, float], rtol: float) -> None:
     assert sorted(got) == sorted(ref), (sorted(got), sorted(ref))
     for step in ref:

@@ -18,11 +18,11 @@ def _events(tmp_path):
     return [r for r in rows if "event" in r]
 
 
-def _diagnose(tmp_path):
+def _diagnose(tmp_path, failed=True):
     env = dict(os.environ, PYTHONPATH=SRC)
     r = subprocess.run([sys.executable, "-m", "paraseek", "diagnose", "run", "--json"], capture_output=True, text=True,
                        env=env, cwd=tmp_path, timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == (1 if failed else 0), r.stderr  # diagnose exits 1 for a failed run
     return json.loads(r.stdout)
 
 
@@ -65,7 +65,7 @@ def test_crash_then_resume(tmp_path):
     assert (d["verdict"], d["step"], d["rank"]) == ("crash", 3, 1)
     r = run_train(*common, "--resume", cwd=tmp_path)
     assert "resumed from" in r.stdout and "step 2" in r.stdout and "step     5/5" in r.stdout
-    assert _diagnose(tmp_path)["verdict"] == "ok"
+    assert _diagnose(tmp_path, failed=False)["verdict"] == "ok"
 
 
 def test_profile(tmp_path):

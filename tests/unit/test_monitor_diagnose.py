@@ -8,7 +8,7 @@ import pytest
 
 from paraseek.errors import UserError
 from paraseek.monitor.diagnose import diagnose, register
-from paraseek.monitor.progress import ProgressRecorder
+from paraseek.monitor.progress import ProgressRecorder, record_killed
 
 
 def _progress(run_dir, *rows):
@@ -42,7 +42,7 @@ def test_hang_from_progress_and_a_timeout_report(tmp_path, capsys):
     assert (d["verdict"], d["step"], d["rank"]) == ("hang", 4, 1)
     assert d["message"] == ("rank 1 (host node0) did not reach the collective of step 4 (last seen: step 3 "
                             "'after_step'); ranks 0, 2, 3 reached it")
-    assert _cli(str(tmp_path)) == 0
+    assert _cli(str(tmp_path)) == 1  # a failed run
     out = capsys.readouterr().out
     assert out.splitlines()[1].strip().startswith("rank 1 (host node0) did not reach the collective of step 4")
 
@@ -51,7 +51,7 @@ def test_hang_event_wins_and_json_output(tmp_path, capsys):
     _progress(tmp_path, (0, 4, "before_step"), (1, 3, "after_step"))
     _events(tmp_path, {"event": "straggler", "step": 2, "rank": 1, "detail": "rank 1 slow"},
             {"event": "hang", "step": 4, "rank": 1, "detail": "rank 1 (host x) did not reach the collective of step 4"})
-    assert _cli(str(tmp_path), "--json") == 0
+    assert _cli(str(tmp_path), "--json") == 1
     d = json.loads(capsys.readouterr().out)
     assert (d["verdict"], d["step"], d["rank"], d["message"]) == (
         "hang", 4, 1, "rank 1 (host x) did not reach the collective of step 4")
@@ -93,13 +93,36 @@ def test_finished_run_and_unfinished_without_failure(tmp_path):
     d = diagnose(tmp_path)
     assert (d["verdict"], d["step"]) == ("stopped", 7)
     empty = tmp_path / "empty"
-    empty.mkdir()
+    (empty / "progress").mkdir(parents=True)  # a run that died before its first record
     assert diagnose(empty)["message"] == "no failure found"
 
 
-def test_missing_folder_is_a_user_error(tmp_path):
+def test_missing_folder_and_other_folders_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="no such folder"):
         diagnose(tmp_path / "nope")
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    with pytest.raises(UserError, match="checkpoints: not a run folder"):
+        diagnose(tmp_path / "checkpoints")
+
+
+def test_a_killed_rank_and_a_run_stopped_on_request(tmp_path, capsys):
+    _progress(tmp_path, (0, 3, "before_step"), (1, 2, "after_step"))
+    victim = ProgressRecorder(tmp_path, 0, "node0")
+    victim.record_failure(RuntimeError("[gloo] Read error [127.0.0.1]:1234: Connection reset by peer"), 3, count=False)
+    record_killed(tmp_path, 1, 9, since=0.0)  # what the launcher writes for a SIGKILLed worker
+    d = diagnose(tmp_path)
+    assert (d["verdict"], d["step"], d["rank"]) == ("killed", 3, 1)
+    assert d["message"].startswith("rank 1 was killed (signal 9: SIGKILL) at step 3 on host node0; SIGKILL is what "
+                                   "the kernel's out-of-memory killer sends")
+    assert _cli(str(tmp_path)) == 1
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    _progress(stopped, (0, 5, "stopped"), (1, 5, "stopped"))
+    _events(stopped, {"event": "stop", "step": 5, "rank": None, "signal": 15,
+                      "detail": "stopped by SIGTERM after step 5, saved ck/step-000005; resume with: paraseek train"})
+    d = diagnose(stopped)
+    assert (d["verdict"], d["step"]) == ("interrupted", 5) and d["message"].startswith("stopped by SIGTERM after step 5")
+    assert _cli(str(stopped)) == 0  # not a failure: the run saved and can resume
 
 
 def _entry(seq, name, state):

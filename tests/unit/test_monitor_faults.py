@@ -8,9 +8,9 @@ from paraseek.monitor.faults import SPIKE_FACTOR, Fault, FaultInjector, check_fa
 
 
 def test_parse_every_form():
-    assert parse_faults("nan@3, spike@7,hang@1:4,slow@1:400,crash@0:2") == [
+    assert parse_faults("nan@3, spike@7,hang@1:4,slow@1:400,crash@0:2,kill@1:3") == [
         Fault("nan", step=3), Fault("spike", step=7), Fault("hang", step=4, rank=1), Fault("slow", rank=1, ms=400),
-        Fault("crash", step=2, rank=0),
+        Fault("crash", step=2, rank=0), Fault("kill", step=3, rank=1),
     ]
     assert parse_faults("") == [] and parse_faults(None) == []
     assert [str(f) for f in parse_faults("hang@1:4,slow@1:400,nan@3")] == ["hang@1:4", "slow@1:400", "nan@3"]
@@ -66,7 +66,7 @@ def test_before_step_fires_on_its_rank_and_step_only():
 
     def fake_sleep(seconds):
         slept.append(seconds)
-        if seconds > 60:  # the hang's sleep: leave the endless loop
+        if seconds == 1.0:  # the hang's sleep: leave the endless loop
             raise Escape
 
     faults = parse_faults("slow@1:400,crash@1:3,hang@0:4")
@@ -81,5 +81,7 @@ def test_before_step_fires_on_its_rank_and_step_only():
         r1.before_step(3)
     with pytest.raises(Escape):
         r0.before_step(4)
-    assert slept[-1] == 3600.0
+    assert slept[-1] == 1.0
+    with pytest.raises(RuntimeError, match="injected hang on rank 0 at step 4 ended by a signal"):
+        FaultInjector(faults, 0, sleep=fake_sleep, signalled=lambda: 15).before_step(4)
     assert not FaultInjector("", 0) and FaultInjector("nan@1", 0).describe() == "nan@1"

@@ -5,6 +5,7 @@ without loading a weight, so bad input costs one line before anything big happen
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,15 +30,11 @@ class ModelSource:
 
 def _checkpoint_step(folder: Path) -> Path | None:
     """The newest complete step folder of a training checkpoint folder (or the folder itself if it is one)."""
+    from paraseek.train.checkpoint import latest_checkpoint
+
     if (folder / "trainer_state.json").is_file() and (folder / ".metadata").is_file():
         return folder
-    latest = folder / "latest"
-    if latest.is_file():
-        step = folder / latest.read_text().strip()
-        if (step / "trainer_state.json").is_file():
-            return step
-    steps = sorted(p for p in folder.glob("step-*") if (p / "trainer_state.json").is_file() and (p / ".metadata").is_file())
-    return steps[-1] if steps else None
+    return latest_checkpoint(folder, warn=lambda line: print(f"paraseek: warning: {line}", file=sys.stderr))
 
 
 def resolve_source(spec: str, *, random_weights: bool = False, tokenizer: str | None = None) -> ModelSource:

@@ -6,7 +6,8 @@ It reads, when present:
   RUN_DIR/errors/rank*.txt         crash reports: a JSON line (rank, host, step, exception), then the traceback
   RUN_DIR/flight_recorder/rank*    PyTorch Flight Recorder dumps (pickles): each rank's last collectives
 and prints one verdict -- the hang (which rank did not reach which step), the crash (rank, step, exception), the
-NaN (step) -- or "no failure found", followed by the evidence.
+rank killed by a signal, the NaN (step), the stop on SIGINT/SIGTERM -- or "no failure found", followed by the
+evidence. It exits 0 for a run that finished or was stopped on request and saved, 1 for a failed one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from paraseek.errors import UserError
-from paraseek.monitor.progress import FR_DIR, PHASES, explain_hang, is_comm_timeout, missing_ranks, read_progress
+from paraseek.monitor.progress import (FR_DIR, PHASES, explain_hang, is_comm_timeout, is_peer_lost, killed_message,
+                                       missing_ranks, read_progress)
+
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every {"event": ...} row of every JSONL file under run_dir, in file order."""
@@ -116,25 +119,29 @@ class _AsError(RuntimeError):
 
 
 # Events that are findings (others, like "model_state", are information and only listed).
-_ANOMALIES = {"nan", "loss_spike", "grad_explosion", "straggler", "hang", "crash", "oom"}
-# What a rank raises when another rank died or hung: gloo and NCCL words for a lost peer.
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "communicator was aborted",
-              "distnetworkerror", "remote process exited", "socket closed")
+_ANOMALIES = {"nan", "loss_spike", "grad_explosion", "straggler", "hang", "crash", "oom", "killed"}
+FINE = ("ok", "interrupted")  # verdicts of a run that did not fail: `paraseek diagnose` exits 0 for them, else 1
 
 
 def _is_victim(exception: str) -> bool:
-    return is_comm_timeout(_AsError(exception)) or any(p in exception.lower() for p in _PEER_LOST)
+    """The report of a rank that failed because another one died or hung."""
+    return is_comm_timeout(_AsError(exception)) or is_peer_lost(exception)
 
 
 def diagnose(run_dir: str | Path) -> dict[str, Any]:
     """The verdict and the evidence, as a JSON-able dict: {"verdict", "message", "step", "rank", ...}.
 
-    Verdicts: hang, crash, oom, nan, error (a user error stopped the run), stopped (no failure recorded but the run
-    did not finish), ok."""
+    Verdicts: hang, crash, killed (by a signal: SIGKILL is what the out-of-memory killer sends), oom, nan, error (a
+    user error stopped the run), interrupted (SIGINT/SIGTERM: every rank stopped after the same step), stopped (no
+    failure recorded but the run did not finish), ok."""
     run_dir = Path(run_dir)
+    where = "pass the run folder: --run-dir, by default the metrics file's folder, holding progress/ and errors/"
     if not run_dir.is_dir():
-        raise UserError(f"paraseek diagnose {run_dir}: no such folder (pass the run folder: the one holding "
-                        f"progress/, errors/ or the metrics JSONL)")
+        raise UserError(f"paraseek diagnose {run_dir}: no such folder ({where})")
+    if not any((run_dir / name).is_dir() for name in ("progress", "errors", FR_DIR)) and \
+            not any(run_dir.rglob("*.jsonl")):
+        raise UserError(f"paraseek diagnose {run_dir}: not a run folder (no progress/, errors/ or metrics JSONL; "
+                        f"{where})")
     progress = read_progress(run_dir)
     events = read_events(run_dir)
     errors = read_errors(run_dir)
@@ -170,6 +177,8 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
     if cause is not None:
         where = f" at step {cause['step']}" if cause.get("step") is not None else ""
         host = f" (host {cause['host']})" if cause.get("host") else ""
+        if cause.get("signal"):  # written by the launcher: a rank killed by a signal leaves no traceback
+            return verdict("killed", killed_message(cause), cause.get("step"), cause.get("rank"))
         kind = "oom" if "out of memory" in cause["exception"].lower() else "crash"
         return verdict(kind, f"rank {cause['rank']}{host} failed{where}: {cause['exception']} "
                              f"(traceback in {cause['file']})", cause.get("step"), cause.get("rank"))
@@ -179,6 +188,11 @@ def diagnose(run_dir: str | Path) -> dict[str, Any]:
         noted = sorted({e["event"] for e in events} & _ANOMALIES)
         return verdict("ok", f"no failure found: the run finished at step {step}"
                              + (f" (events: {', '.join(noted)})" if noted else ""), step)
+    if progress and all(r["phase"] == "stopped" for r in progress):
+        step = max(r["step"] for r in progress)
+        stop = (by_kind.get("stop") or [{}])[-1]
+        return verdict("interrupted", stop.get("detail") or f"every rank stopped after step {step} on SIGINT/SIGTERM",
+                       step)
     for kind in ("oom", "nan"):
         if kind in by_kind:
             e = by_kind[kind][0]
@@ -228,15 +242,17 @@ def run_diagnose(ns: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2, default=str))
     else:
         print(format_diagnosis(d))
-    return 0
+    return 0 if d["verdict"] in FINE else 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "diagnose", help="say why a run died: the hung rank and step, the crash, the NaN",
+        "diagnose", help="say why a run died: the hung rank and step, the crash, the killed rank, the NaN",
         description="Read a run folder's progress records, metrics events, crash reports and Flight Recorder dumps "
         "and print the verdict: which rank did not reach which collective, which rank crashed at which step and "
-        "why, where the loss became NaN -- or that no failure was found.",
+        "why, which rank a signal killed (the out-of-memory killer's SIGKILL), where the loss became NaN, that "
+        "SIGINT/SIGTERM stopped it -- or that no failure was found. Exits 0 for a run that finished or was stopped "
+        "on request, 1 for a failed one.",
     )
     p.add_argument("run_dir", help="the run folder (with progress/, errors/, flight_recorder/ or a metrics JSONL)")
     p.add_argument("--json", action="store_true", help="print one JSON document")

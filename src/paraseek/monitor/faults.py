@@ -2,17 +2,21 @@
 
     nan@STEP          the loss (and so every gradient) becomes NaN on every rank at STEP
     spike@STEP        the loss (and every gradient) is multiplied by 1e3 on every rank at STEP
-    hang@RANK:STEP    RANK stops before the first collective of STEP and never comes back
+    hang@RANK:STEP    RANK stops before the first collective of STEP and comes back only to a signal (the
+                      launcher's SIGTERM once another rank gave up on it)
     slow@RANK:MS      RANK sleeps MS milliseconds before every step (a straggler)
     crash@RANK:STEP   RANK raises RuntimeError("injected crash ...") before STEP
     oom@RANK:STEP     RANK raises torch.OutOfMemoryError before STEP (the OOM report and advice, on any device)
+    kill@RANK:STEP    RANK is killed by SIGKILL before STEP (what the kernel's out-of-memory killer does)
 
 Several faults are separated by commas: `--inject-fault slow@1:400,nan@20`.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,15 +26,15 @@ import torch
 from paraseek.errors import UserError
 
 SPIKE_FACTOR = 1e3  # large enough that a robust z-score over any sane loss history flags it
-FORMS = "nan@STEP, spike@STEP, hang@RANK:STEP, slow@RANK:MS, crash@RANK:STEP or oom@RANK:STEP"
+FORMS = "nan@STEP, spike@STEP, hang@RANK:STEP, slow@RANK:MS, crash@RANK:STEP, oom@RANK:STEP or kill@RANK:STEP"
 _STEP_ONLY = ("nan", "spike")
-_RANK_AND = ("hang", "slow", "crash", "oom")
+_RANK_AND = ("hang", "slow", "crash", "oom", "kill")
 _SPEC = re.compile(r"^([a-z]+)@(\d+)(?::(\d+))?$")
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # nan | spike | hang | slow | crash | oom
+    kind: str  # nan | spike | hang | slow | crash | oom | kill
     step: int | None = None  # the step it fires at (nan, spike, hang, crash)
     rank: int | None = None  # the rank it fires on (hang, slow, crash); None = every rank
     ms: int = 0  # slow: the delay per step
@@ -82,10 +86,12 @@ def check_faults(faults: list[Fault], world: int, steps: int) -> None:
 class FaultInjector:
     """The loop's hooks. With no faults every hook is a no-op that costs one attribute test."""
 
-    def __init__(self, faults: list[Fault] | str, rank: int, sleep: Callable[[float], None] = time.sleep):
+    def __init__(self, faults: list[Fault] | str, rank: int, sleep: Callable[[float], None] = time.sleep,
+                 signalled: Callable[[], int] = lambda: 0):
         self.faults = parse_faults(faults) if isinstance(faults, str) else list(faults)
         self.rank = rank
         self._sleep = sleep  # tests pass a recorder instead of really sleeping
+        self._signalled = signalled  # the signal this process got (train/stop.py's STOP), 0 for none
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -116,6 +122,11 @@ class FaultInjector:
             elif f.kind == "oom" and f.step == step:
                 raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {self.rank} at step {step}, "
                                              f"--inject-fault {f})")
+            elif f.kind == "kill" and f.step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "hang" and f.step == step:
-                while True:  # until the job's comm timeout ends it
-                    self._sleep(3600.0)
+                # Until the job's comm timeout ends it: a peer gives up and the launcher SIGTERMs this rank, which
+                # the worker's handler only notes (a hung process that is not stuck in a kernel would see it too).
+                while not self._signalled():
+                    self._sleep(1.0)
+                raise RuntimeError(f"injected hang on rank {self.rank} at step {step} ended by a signal")

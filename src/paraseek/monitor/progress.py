@@ -6,7 +6,8 @@ TCPStore, which still answers while a collective hangs) and atomically into RUN_
 survives the job for `paraseek diagnose`). When a collective times out, a waiting rank reads every record: the ranks
 that have not reached the step are the ones it waited for.
 
-Crash reports go to RUN_DIR/errors/rank{R}.txt: one JSON line (rank, host, step, exception) and the traceback.
+Crash reports go to RUN_DIR/errors/rank{R}.txt: one JSON line (rank, host, step, exception) and the traceback; for a
+rank killed by a signal (SIGKILL: the out-of-memory killer), which cannot write one, its launcher writes it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 KEY = "paraseek/progress/{rank}"
 FAILED_KEY = "paraseek/failures"
 # Order of the phases within a step; a rank at (step, phase) has passed every earlier (step, phase).
-PHASES = {"start": 0, "before_step": 1, "after_step": 2, "done": 3}
+PHASES = {"start": 0, "before_step": 1, "after_step": 2, "done": 3, "stopped": 3}  # stopped: by SIGINT/SIGTERM
 FR_DIR = "flight_recorder"  # Flight Recorder dumps: RUN_DIR/flight_recorder/rank{R}
 
 
@@ -58,8 +59,8 @@ class ProgressRecorder:
 
     def mark(self, step: int, phase: str) -> None:
         """Record that this rank reached `phase` of `step` (a store round trip and a small file write)."""
-        self.last = {"rank": self.rank, "host": self.host, "step": step, "phase": phase, "time": time.time(),
-                     "started": self.started, "attempt": self.attempt}
+        self.last = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": step, "phase": phase,
+                     "time": time.time(), "started": self.started, "attempt": self.attempt}
         text = json.dumps(self.last)
         if self.store is not None:
             self.store.set(KEY.format(rank=self.rank), text)
@@ -77,9 +78,10 @@ class ProgressRecorder:
             return None
         return self.last["step"] + (self.last["phase"] in ("after_step", "start"))
 
-    def record_failure(self, exc: BaseException, step: int | None = None) -> bool:
+    def record_failure(self, exc: BaseException, step: int | None = None, *, count: bool = True) -> bool:
         """Write RUN_DIR/errors/rank{R}.txt and return True when this is the first failure of the job (the rank
-        that should print the one-line cause; the others fail because it did)."""
+        that should print the one-line cause; the others fail because it did). count=False: a rank that lost its
+        peers, never the cause, does not take the first place from the rank that is."""
         step = step if step is not None else self.current_step()
         if self.run_dir:
             folder = self.run_dir / "errors"
@@ -88,6 +90,8 @@ class ProgressRecorder:
                     "exception": f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__}
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             _atomic_write(folder / f"rank{self.rank}.txt", json.dumps(head) + "\n" + tb)
+        if not count:
+            return False
         if self.store is None:
             return True
         try:
@@ -168,6 +172,16 @@ def hang_event(records: list[dict[str, Any]], step: int, world: int | None = Non
             "detail": explain_hang(records, step, world, now)}
 
 
+# What a rank raises when another rank died: gloo's and NCCL's words for a lost peer.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "communicator was aborted",
+              "distnetworkerror", "remote process exited", "socket closed")
+
+
+def is_peer_lost(exc: BaseException | str) -> bool:
+    """The failure of a rank whose peer died (not a cause: the rank that died is)."""
+    return any(p in str(exc).lower() for p in _PEER_LOST)
+
+
 def is_comm_timeout(exc: BaseException) -> bool:
     """Gloo raises RuntimeError('... Timed out waiting 20000ms for recv ...'); NCCL raises DistBackendError
     ('Watchdog caught collective operation timeout ...') when the process survives its watchdog."""
@@ -224,6 +238,34 @@ def dump_flight_recorder(run_dir: str | Path, rank: int) -> Path | None:
 
 
 REPORTED = 3  # a worker's exit code when it has printed the job's one-line cause itself (the launcher stays quiet)
+PEER_LOST = 4  # a worker's exit code when it lost its peers and stayed quiet (the launcher names the rank that died)
+
+
+def record_killed(run_dir: str | Path, rank: int, signum: int, since: float) -> dict[str, Any]:
+    """The crash report of a rank that a signal killed (SIGKILL cannot be caught: the rank writes nothing), written
+    by its launcher: the step from the rank's progress record (when written after `since`, this launch)."""
+    import signal
+
+    run_dir = Path(run_dir)
+    record = next((r for r in read_progress(run_dir) if r["rank"] == rank and r["time"] >= since), None)
+    step = record["step"] + (record["phase"] in ("after_step", "start")) if record else None
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = "unknown"
+    head = {"rank": rank, "host": record["host"] if record else socket.gethostname(), "step": step,
+            "time": time.time(), "exception": f"killed (signal {signum}: {name})", "signal": signum}
+    (run_dir / "errors").mkdir(parents=True, exist_ok=True)
+    _atomic_write(run_dir / "errors" / f"rank{rank}.txt", json.dumps(head) + "\n")
+    return head
+
+
+def killed_message(report: dict[str, Any]) -> str:
+    """"rank 1 was killed (signal 9: SIGKILL) at step 3 on host h; ..." for a record_killed report."""
+    where = f" at step {report['step']}" if report.get("step") is not None else ""
+    hint = ("; SIGKILL is what the kernel's out-of-memory killer sends (`dmesg` says whether it did), or kill -9"
+            if report["signal"] == 9 else "")
+    return f"rank {report['rank']} was {report['exception']}{where} on host {report['host']}{hint}"
 
 
 def report_failure(recorder: ProgressRecorder, exc: BaseException, world: int, *, timeout_s: float | None = None,
@@ -235,6 +277,9 @@ def report_failure(recorder: ProgressRecorder, exc: BaseException, world: int, *
     A collective timeout becomes {"event": "hang", "rank": the rank that did not come}; anything else
     {"event": "crash" | "oom", "rank": this rank}."""
     step = recorder.current_step()
+    if is_peer_lost(exc) and not is_comm_timeout(exc):  # the rank that died is the news: its launcher reports it
+        recorder.record_failure(exc, step, count=False)
+        return None
     if is_comm_timeout(exc):
         records = recorder.read(world)
         step = step or max([0] + [r["step"] for r in records])

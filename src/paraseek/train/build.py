@@ -79,10 +79,12 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
     return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards, lora)
 
 
-def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimizer, loader: DataLoader,
-           is_main: bool) -> int:
-    """The newest checkpoint's model, optimizer and data position (--resume); returns the step it was taken at."""
-    start_step = 0
+def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimizer, loader: DataLoader, scaler,
+           is_main: bool) -> dict | None:
+    """The newest complete checkpoint's model, optimizer, loss scale and data position (--resume); returns its trainer
+    state with "path" added, or None for a start at step 0. The launcher has checked the folder already
+    (checkpoint.prepare_checkpoint_dir: what was skipped, a damaged or foreign folder), so this is quiet."""
+    state = None
     if cfg.resume:
         path = latest_checkpoint(cfg.checkpoint_dir)
         if path is None:
@@ -90,11 +92,11 @@ def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimize
                 print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from step 0", flush=True)
         else:
             # A LoRA checkpoint holds the adapters only; the frozen base came from --init-from (build).
-            state = load_checkpoint(path, inner, optimizer, model_keys=is_adapter if cfg.lora_rank else None)
-            start_step = state["step"]
+            state = dict(load_checkpoint(path, inner, optimizer, scaler, model_keys=is_adapter if cfg.lora_rank else None),
+                         path=str(path))
             loader.load_state_dict(state["data"])
             if is_main:
-                print(f"resumed from {path} at step {start_step}", flush=True)
-    if start_step == 0:
+                print(f"resumed from {path} at step {state['step']}", flush=True)
+    if state is None:
         loader.load_state_dict({"position": 0})
-    return start_step
+    return state

@@ -1,8 +1,11 @@
 """Checkpoints with torch Distributed Checkpoint: model and optimizer (sharded, layout-free: a checkpoint written by
-one plan loads into another), plus trainer state (step, data position, RNG) as JSON.
+one plan loads into another), plus trainer state (step, data position, RNG, lr schedule, fp16 loss scale) as JSON.
 
 Atomic: everything is written into `step-NNNNNN.tmp/`, renamed to `step-NNNNNN/` once all ranks finished, and only
-then `latest` is replaced (os.replace) -- a crash mid-save leaves the previous checkpoint the newest one.
+then `latest` is replaced (os.replace) -- a process killed at any moment leaves every complete step complete and the
+previous one the newest (tests/dist/checkpoint_drill.py kills saves at random moments). Reading trusts nothing:
+`latest_checkpoint` takes the newest step whose trainer state, DCP metadata and every shard file the metadata names
+are whole, and says what it skipped.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,72 +23,252 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+
+from paraseek.errors import UserError
+
+_STEP = re.compile(r"step-(\d+)")
 
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
+def _step_of(path: Path) -> int:
+    return int(_STEP.fullmatch(path.name).group(1))
+
+
+def step_folders(root: str | Path) -> list[Path]:
+    """The step-N folders of a checkpoint folder, oldest first (not the .tmp ones of saves that did not finish)."""
     root = Path(root)
-    latest = root / "latest"
-    if not latest.is_file():
-        return None
-    path = root / latest.read_text().strip()
-    return path if (path / "trainer_state.json").is_file() else None
+    return sorted((p for p in root.glob("step-*") if _STEP.fullmatch(p.name) and p.is_dir()), key=_step_of)
+
+
+def has_checkpoints(root: str | Path) -> bool:
+    return (Path(root) / "latest").exists() or bool(step_folders(root))
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the step folder `path` is not a complete checkpoint, or None when it is: trainer_state.json readable and
+    naming this step, DCP's .metadata readable, and every shard file it names present and as long as it says."""
+    try:
+        step = json.loads((path / "trainer_state.json").read_text())["step"]
+    except FileNotFoundError:
+        return "no trainer_state.json"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "trainer_state.json is not readable"
+    if step != _step_of(path):
+        return f"trainer_state.json says step {step}"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except FileNotFoundError:
+        return "no .metadata (DCP's index of the shards)"
+    except Exception as e:  # a torn or foreign pickle: anything may come out of it
+        return f".metadata is not readable ({type(e).__name__})"
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"shard {name} is missing"
+        if shard.stat().st_size < size:
+            return f"shard {name} is truncated ({shard.stat().st_size:,} of {size:,} bytes)"
+    return None
+
+
+def latest_checkpoint(root: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete step folder under `root`, or None. Newer folders that are not complete are skipped, and
+    so is a `latest` that holds junk or names a folder that is gone: `warn` gets one line for each."""
+    root = Path(root)
+    warn = warn or (lambda message: None)
+    found = None
+    for path in reversed(step_folders(root)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            found = path
+            break
+        warn(f"{path}: {problem}; skipped")
+    try:
+        named = (root / "latest").read_text(errors="replace").strip()
+    except OSError:
+        named = None
+    if named is not None and not _STEP.fullmatch(named):
+        warn(f"{root / 'latest'} holds {named[:40]!r}, not a step folder's name; ignored")
+    elif named is not None and not (root / named).is_dir():
+        warn(f"{root / 'latest'} names {named}, which is gone; ignored")
+    return found
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # DCP fsyncs its shards; this file must not be the one a power cut loses
+
+
+def _discard(path: Path) -> None:
+    """Remove a step folder so that no moment leaves half of it under its name: renamed first (to a name that is
+    not its save's step-N.tmp, which may hold the new copy of that step)."""
+    doomed = path.with_name(path.name + ".old.tmp")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """DCP's CheckpointException (a BaseException) carries every rank's traceback: the first exception's first
+    sentence (torch.load's advice that follows it, to load with weights_only=False, is not for a damaged file)."""
+    for exc, _ in e.failures.values():
+        return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0].split('. ')[0]}"
+    return str(e).splitlines()[0]
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], model_keys=None) -> Path:
-    """`model_keys(name) -> bool`: only those model tensors are saved (a LoRA run's adapters; its frozen base is
-    the --init-from folder the trainer state names)."""
+                    trainer_state: dict[str, Any], model_keys=None, *, keep_last: int = 0, scaler=None) -> Path:
+    """Write step `step` (a collective). `model_keys(name) -> bool`: only those model tensors are saved (a LoRA
+    run's adapters; its frozen base is the --init-from folder the trainer state names). `keep_last` > 0 then removes
+    the older step folders but the newest keep_last - 1 complete ones; `scaler` (fp16's GradScaler) has its scale and
+    growth tracker saved with the trainer state."""
     root = Path(root)
     final, tmp = _step_dir(root, step), root / f"step-{step:06d}.tmp"
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob("step-*.tmp"):  # saves that did not finish (a killed run): never complete
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if model_keys is not None:
         model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except CheckpointException as e:  # not an Exception: the loop's one-line failure report would miss it
+        raise RuntimeError(f"checkpoint {tmp} could not be written: {_first_failure(e)}") from e
     # RNG per rank (used by dropout-free models only for data-independent randomness; kept for exactness).
     rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
     rngs: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng)
     if rank == 0:
         state = dict(trainer_state, step=step, rng_states=rngs)
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
+        if scaler is not None:
+            state["grad_scaler"] = scaler.state_dict()
+        _write_durably(tmp / "trainer_state.json", json.dumps(state, indent=1))
+        if final.exists():  # a damaged folder of this step, which resuming skipped
+            _discard(final)
         os.replace(tmp, final)
-        latest_tmp = root / "latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, root / "latest")
+        _write_durably(root / "latest.tmp", final.name + "\n")
+        os.replace(root / "latest.tmp", root / "latest")
+        if keep_last > 0:  # only now, with the new step complete and named: keep the newest complete ones
+            older = [p for p in step_folders(root) if _step_of(p) < step]
+            complete = [p for p in older if checkpoint_problem(p) is None]
+            kept = complete[-(keep_last - 1):] if keep_last > 1 else []
+            for path in older:  # damaged ones too: resuming would only skip them
+                if path not in kept:
+                    _discard(path)
     dist.barrier()
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scaler=None,
                     model_keys=None) -> dict[str, Any]:
-    """Load model + optimizer into the current (possibly different) layout; returns the trainer state.
+    """Load model + optimizer into the current (possibly different) layout; returns the trainer state. A checkpoint
+    DCP cannot read is one UserError on every rank (the same one: every rank sees the same failure list).
     `model_keys`: the model tensors the checkpoint holds (as save_checkpoint was given); the others stay as they are."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if model_keys is not None:
         model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:
+        raise UserError(f"{path}: the checkpoint could not be read ({_first_failure(e)}); it is damaged or was "
+                        f"written for another model: move that step folder away to resume from the one before") \
+            from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=model_keys is None))
     trainer_state = json.loads((path / "trainer_state.json").read_text())
+    if scaler is not None and trainer_state.get("grad_scaler"):
+        scaler.load_state_dict(trainer_state["grad_scaler"])
     rngs = trainer_state.get("rng_states") or []
     rank = dist.get_rank()
     if rank < len(rngs) and rngs[rank]:  # same rank count: restore exactly; otherwise the seed already set is used
         raw = base64.b64decode(rngs[rank])
         torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     return trainer_state
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return " x ".join(map(str, shape)) or "a scalar"
+
+
+def model_mismatch(path: Path, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """How the checkpoint at `path` differs from a model with these parameter names and (global) shapes -- another
+    model, another vocabulary -- or None when it holds exactly them. Read from DCP's metadata, nothing loaded."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    saved = {key[len("model."):]: tuple(m.size) for key, m in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(m, "size")}
+    for name, shape in shapes.items():
+        if name in saved and saved[name] != tuple(shape):
+            return f"{name} is {_dims(saved[name])} there and {_dims(shape)} here"
+    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    if missing or extra:
+        parts = [f"{len(missing)} of this model's tensors are not in it (e.g. {missing[0]})" if missing else "",
+                 f"{len(extra)} of its tensors are not in this model (e.g. {extra[0]})" if extra else ""]
+        return "; ".join(p for p in parts if p)
+    return None
+
+
+def prepare_checkpoint_dir(cfg, model_shapes: Callable[[], dict[str, tuple[int, ...]]], *, owner: bool = True,
+                           log: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> None:
+    """The --checkpoint-dir rules, checked before any worker starts (the launcher; under torchrun every rank, with
+    `owner` on rank 0 only: it alone removes files):
+
+    - without --resume, a folder that holds checkpoints is refused: --resume continues them, --overwrite removes them
+      and starts from step 0;
+    - with --resume, a new or empty folder (no step folder, no `latest`) starts from step 0 -- the same command then
+      serves the first launch and every restart, as job schedulers requeue jobs -- while a folder whose checkpoints
+      are all damaged is refused, and so is a checkpoint of another model (names and shapes from `model_shapes()`).
+    Damaged newer steps that --resume skips are reported through `warn`."""
+    if cfg.keep_last < 0:
+        raise UserError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {cfg.keep_last}")
+    if not cfg.checkpoint_dir:
+        if cfg.overwrite:
+            raise UserError("--overwrite replaces the checkpoints of --checkpoint-dir, and none is given")
+        return
+    root = Path(cfg.checkpoint_dir)
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--checkpoint-dir {root}: not a folder")
+    if cfg.resume and cfg.overwrite:
+        raise UserError("--resume continues the checkpoints in --checkpoint-dir and --overwrite deletes them: "
+                        "give one of the two")
+    held = has_checkpoints(root)
+    if cfg.resume:
+        path = latest_checkpoint(root, warn)
+        if path is None and held:
+            raise UserError(f"--resume: {root} holds no complete checkpoint (the reasons are above); move the damaged "
+                            f"folders away, or start again from step 0 with --overwrite instead of --resume")
+        if path is not None and (why := model_mismatch(path, model_shapes())):
+            written = json.loads((path / "trainer_state.json").read_text()).get("config") or {}
+            source = written.get("init_from") or written.get("model")
+            raise UserError(f"--resume: {path} holds another model{f' ({source})' if source else ''} than "
+                            f"{cfg.init_from or cfg.model}: {why}; point --checkpoint-dir at this model's checkpoints")
+        return
+    if not held:
+        return
+    newest = step_folders(root)
+    if not cfg.overwrite:
+        which = f" (newest {newest[-1].name})" if newest else ""
+        raise UserError(f"--checkpoint-dir {root} already holds checkpoints{which}: add --resume to continue from "
+                        f"the newest, or --overwrite to start again from step 0 (removes them), or choose another folder")
+    if owner:
+        for path in newest:
+            _discard(path)
+        (root / "latest").unlink(missing_ok=True)
+        log(f"--overwrite: removed {len(newest)} checkpoint(s) from {root}")
 
 
 def full_model_state(model: nn.Module, leaders: list[int] | None = None) -> dict[str, torch.Tensor]:

@@ -70,8 +70,13 @@ class TrainConfig:
     metrics_jsonl: str = ""
     tensorboard: str = ""
     checkpoint_dir: str = ""
-    checkpoint_every: int = 0  # 0 = only at the end (when checkpoint_dir is set)
+    # Checkpoints and stopping (train/checkpoint.py; the rules of the folder in prepare_checkpoint_dir). 500 steps:
+    # what torchtitan and HF's Trainer default to; a crash then costs at most that many steps, 0 = only at the end.
+    checkpoint_every: int = 500
     resume: bool = False
+    keep_last: int = 0  # keep only the newest N step folders (0: every one)
+    overwrite: bool = False  # start from step 0 in a --checkpoint-dir that holds checkpoints (they are removed)
+    lr_schedule_reset: bool = False  # with --resume: this command's lr flags and --steps, not the original run's
     init_from: str = ""  # an HF folder to start from
     export_hf: str = ""  # write an HF folder at the end
     log_every: int = 1
@@ -188,8 +193,13 @@ _HELP = {
                    "the [tokens, vocab] logits never exist whole; 0 = off. Not with --tp (its loss is "
                    "vocab-parallel already) or --pp",
     "grad_compression": "DDP gradient compression: none, bf16, or powersgd:RANK",
-    "checkpoint_every": "write a checkpoint every K steps (and at the end) into --checkpoint-dir",
-    "resume": "continue from the newest checkpoint in --checkpoint-dir",
+    "checkpoint_every": "write a checkpoint every K steps into --checkpoint-dir, and at the end and when "
+                        "SIGINT/SIGTERM stops the run (0: only then)",
+    "resume": "continue from the newest complete checkpoint in --checkpoint-dir (a new or empty folder: step 0)",
+    "keep_last": "keep only the newest N checkpoints, removing older ones after each save (0: keep every one)",
+    "overwrite": "start again from step 0 in a --checkpoint-dir that holds checkpoints, removing them",
+    "lr_schedule_reset": "with --resume: follow this command's --lr, --warmup-steps, --lr-schedule, --min-lr-ratio and "
+                         "--steps instead of the schedule of the run being resumed",
     "init_from": "start from the weights of this HF folder (loaded shard by shard)",
     "export_hf": "write the trained model as an HF folder transformers loads",
     "lora_rank": "LoRA rank r > 0: train low-rank adapters on the frozen --init-from model (Hu et al. 2021)",

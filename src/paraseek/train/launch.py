@@ -1,6 +1,13 @@
 """`paraseek train`: validate in the parent, then re-launch through torch's own launcher (torch.distributed.run)
 with N processes per node, each running train/worker.py, which reads the resolved config from the environment (so
-every rank runs exactly the same configuration, and no worker parses arguments again)."""
+every rank runs exactly the same configuration, and no worker parses arguments again).
+
+Signals: torch's agent starts each worker in a session of its own, so a Ctrl-C in the terminal reaches only this
+process. It passes SIGINT/SIGTERM on to the workers (they finish the step, save, exit 130/143: train/stop.py) and
+exits with their code; a second Ctrl-C kills them at once. torch's agent would pass the first one on too, but kill
+the workers 30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), in the middle of a large save, and leave them running when
+a second Ctrl-C interrupts its wait -- so SIGINT and SIGTERM are taken from it here.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +16,14 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 from paraseek.errors import UserError
 from paraseek.train.config import TrainConfig, config_toml, from_namespace, resolve_defaults, validate
+from paraseek.train.stop import ARGV_ENV
 from paraseek.train.worker import CONFIG_ENV
 
 
@@ -22,16 +33,19 @@ def cmd_train(ns: argparse.Namespace) -> int:
     cfg = from_namespace(ns)
     if ns.slurm:
         return print_slurm_script(cfg, ns.argv[1:])
+    os.environ[ARGV_ENV] = json.dumps(ns.argv)  # for the resume command a stopped run prints
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
     if "LOCAL_RANK" in os.environ:  # started by torchrun (or another launcher) directly: one worker of many
         local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
         cfg.nproc, cfg.nnodes = local, world // local
+        first = os.environ.get("RANK", "0") == "0"
         try:
             cfg = resolve_defaults(cfg, cuda, gpus)
             validate(cfg, cuda, gpus)
+            _check_checkpoint_dir(cfg, owner=first)
         except UserError as e:
-            if os.environ.get("RANK", "0") == "0":
+            if first:
                 print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
             return 2
         from paraseek.train.worker import run
@@ -72,7 +86,37 @@ def prepare(cfg: TrainConfig, with_prediction: bool = False, open_data: bool = T
     validate(cfg, cuda, gpus)
     if open_data:
         _check_data(cfg)
+        _check_checkpoint_dir(cfg)
     return cfg, (_predict(cfg) if with_prediction and cuda else None)
+
+
+def _check_checkpoint_dir(cfg: TrainConfig, owner: bool = True) -> None:
+    """checkpoint.prepare_checkpoint_dir with this model's parameter names and shapes from a meta-device build (no
+    memory), printing from one process only."""
+    from paraseek.train.checkpoint import prepare_checkpoint_dir
+
+    def shapes() -> dict[str, tuple[int, ...]]:
+        import torch
+
+        from paraseek.models import resolve_model
+        from paraseek.models.deepseek import Transformer
+
+        args, _, _ = resolve_model(cfg.init_from or cfg.model)
+        with torch.device("meta"):
+            model = Transformer(args)
+        if not cfg.lora_rank:
+            return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        from paraseek.models.lora import apply_lora, is_adapter
+        from paraseek.models.lora_spec import lora_spec
+
+        # A LoRA checkpoint holds the adapters only (the base is the --init-from folder).
+        apply_lora(model, lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, args, cfg.init_from or cfg.model))
+        return {name: tuple(t.shape) for name, t in model.state_dict().items() if is_adapter(name)}
+
+    say = (lambda line: print(line, flush=True)) if owner else (lambda line: None)
+    warn = (lambda line: print(f"paraseek: warning: --resume: {line}", file=sys.stderr, flush=True)) if owner \
+        else None
+    prepare_checkpoint_dir(cfg, shapes, owner=owner, log=say, warn=warn)
 
 
 def _predict(cfg: TrainConfig) -> dict | None:
@@ -174,7 +218,7 @@ def launch(cfg: TrainConfig) -> int:
         nodes_store = join_nodes(cfg)  # noqa: F841
         argv += [f"--nnodes={cfg.nnodes}", f"--node-rank={cfg.node_rank}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-conf=join_timeout={math.ceil(cfg.rdzv_timeout)}"]
-    argv += ["-m", "paraseek.train.worker"]
+    argv += ["--signals-to-handle=SIGHUP,SIGQUIT", "-m", "paraseek.train.worker"]  # SIGINT, SIGTERM: _PassOn
     os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
@@ -185,33 +229,99 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.device == "cuda":
         # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    passer = _PassOn(bool(cfg.checkpoint_dir))
+    previous = {signum: signal.signal(signum, passer) for signum in (signal.SIGINT, signal.SIGTERM)}
+    started = time.time()
     try:
         run(get_args_parser().parse_args(argv))
         return 0
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        codes = {f.exitcode for f in e.failures.values()}
-        if 2 in codes:
-            return 2  # a user error, already printed by rank 0
-        from paraseek.monitor.progress import REPORTED
+        return _failed(cfg, e, passer.signum, started)
+    except KeyboardInterrupt:  # a second Ctrl-C (the workers are killed), or a signal before any worker started
+        print("paraseek: stopped at once; the step in progress was not saved", file=sys.stderr)
+        return 128 + (passer.signum or signal.SIGINT)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
-        if failure.exitcode == REPORTED:
-            return 1  # the first failing worker printed the cause in one line
-        how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
-        # A worker killed before it could report (NCCL's watchdog aborts on a timeout): the progress records and
-        # Flight Recorder dumps in the run folder still say who did not reach which step.
-        from paraseek.monitor.diagnose import diagnose
 
+def _worker_pids() -> list[int]:
+    """The worker processes this launcher started (torch's agent runs them as its children)."""
+    me, pids = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            verdict = diagnose(cfg.run_dir)
-        except UserError:  # no run folder was written
-            return 1
-        if verdict.get("verdict") not in (None, "ok", "stopped"):
-            print(f"paraseek: {verdict['message']}", file=sys.stderr)
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state, ppid, ...
+            if ppid == me and b"paraseek.train.worker" in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+    return pids
+
+
+class _PassOn:
+    """The launcher's SIGINT/SIGTERM handler: the first signal goes on to the workers; a second SIGINT kills them
+    (KeyboardInterrupt then ends torch's agent, which finds them gone)."""
+
+    def __init__(self, saves: bool):
+        self.signum, self.saves = 0, saves
+
+    def __call__(self, signum: int, frame) -> None:
+        pids = _worker_pids()
+        if (self.signum and signum == signal.SIGINT) or not pids:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            self.signum = self.signum or signum
+            raise KeyboardInterrupt
+        if self.signum:
+            return  # a second SIGTERM: the workers are stopping already
+        self.signum = signum
+        for pid in pids:
+            os.kill(pid, signum)
+        then = "saves it and stops" if self.saves else "stops (no --checkpoint-dir: nothing will be saved)"
+        # os.write: print() may be in the middle of a line when the signal comes
+        os.write(2, f"paraseek: {signal.Signals(signum).name}: every rank finishes the step it is in, {then}; "
+                    f"Ctrl-C again to stop at once\n".encode())
+
+
+def _failed(cfg: TrainConfig, e, signum: int, started: float) -> int:
+    """The launcher's exit code for failed workers, and the one line when no worker printed it: a user error (2,
+    printed by rank 0), a stop on SIGINT/SIGTERM (130/143, rank 0 printed the resume command), a rank killed by a
+    signal (the crash report it could not write goes to RUN_DIR/errors/), a crash (printed by the rank), ranks that
+    lost a peer on another node, else the first failure's exit code and what `paraseek diagnose` makes of it."""
+    from paraseek.monitor.progress import PEER_LOST, REPORTED, killed_message, record_killed
+
+    codes = {rank: f.exitcode for rank, f in e.failures.items()}
+    if 2 in codes.values():
+        return 2
+    if set(codes.values()) <= {130, 143}:
+        return 128 + signum if signum else max(codes.values())
+    # SIGKILL is what the out-of-memory killer sends (other signals, e.g. NCCL's watchdog's SIGABRT, are left to the
+    # diagnosis below: that one is a hang).
+    killed = sorted((f.timestamp, rank) for rank, f in e.failures.items() if f.exitcode == -signal.SIGKILL)
+    if killed:
+        report = record_killed(cfg.run_dir, killed[0][1], signal.SIGKILL, since=started)
+        print(f"paraseek: {killed_message(report)}; the job was stopped on all ranks", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    if REPORTED in codes.values():
+        return 1  # the first failing worker printed the cause in one line
+    if set(codes.values()) == {PEER_LOST}:
+        print(f"paraseek: rank {min(codes)} lost its connection to the other ranks: a rank of another node died "
+              f"(that node's output, or `paraseek diagnose` of the run folder, names it)", file=sys.stderr)
+        return 1
+    rank, failure = e.get_first_failure()
+    how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
+    # A worker killed before it could report (NCCL's watchdog aborts on a timeout): the progress records and
+    # Flight Recorder dumps in the run folder still say who did not reach which step.
+    from paraseek.monitor.diagnose import diagnose
+
+    try:
+        verdict = diagnose(cfg.run_dir)
+    except UserError:  # no run folder was written
+        return 1
+    if verdict.get("verdict") not in (None, "ok", "interrupted", "stopped"):
+        print(f"paraseek: {verdict['message']}", file=sys.stderr)
+    return 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

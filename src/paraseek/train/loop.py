@@ -2,6 +2,9 @@
 (parallel/mesh.py), the model (train/build.py), the data and the optimizer (train/optim.py) set up once, then
 `Run.step` per optimizer step, with `ForwardBackward` running the micro-batches (pipelined or not).
 
+SIGINT/SIGTERM (train/stop.py notes them) travel in the step's one gather of step times, so every rank sees the
+same request after the same step: all of them save that step and leave with 130/143.
+
 Loss normalization makes every data-parallel layout compute the same thing: rank r minimizes
 sum(token losses on r) / (trained tokens of the global batch / dp); FSDP/DDP average gradients over the dp ranks, so
 the update is that of mean(token losses over the trained tokens of the global batch) -- identical to one process with
@@ -33,12 +36,13 @@ from paraseek.models.hf import save_hf_state
 from paraseek.models.lora import is_adapter, merge_state
 from paraseek.models.loss import IGNORE_INDEX
 from paraseek.monitor.faults import FaultInjector
-from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_hosts,
-                                     gather_step_times, log_event, nonfinite_report, step_time_stats)
+from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_floats,
+                                     gather_hosts, log_event, nonfinite_report, own_step_times, step_time_stats)
 from paraseek.monitor.metrics import MetricsLogger
 from paraseek.monitor.oom import cheapest_fix, write_snapshot
 from paraseek.monitor.profile import StepProfiler, report_all_ranks
-from paraseek.monitor.progress import REPORTED, ProgressRecorder, report_failure, set_comm_timeout
+from paraseek.monitor.progress import (PEER_LOST, REPORTED, ProgressRecorder, is_peer_lost, report_failure,
+                                       set_comm_timeout)
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import DTYPES
 from paraseek.parallel.pipeline import Pipeline, describe
@@ -48,7 +52,8 @@ from paraseek.train.checkpoint import full_model_state, save_checkpoint
 from paraseek.train.config import TrainConfig, tokenizer_origin
 from paraseek.train.data import DataLoader, EvalLoader, open_training_data
 from paraseek.train.moe import ExpertBalance
-from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, token_loss
+from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, resumed_schedule, schedule_of, token_loss
+from paraseek.train.stop import STOP, stop_message
 
 
 def _local_bytes(tensors) -> int:
@@ -103,7 +108,7 @@ def train(cfg: TrainConfig) -> int:
                 gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "H200"
                 head = f"allocator snapshot: {snapshot}\n" if snapshot else "(a CPU run: the advice is for H200s)\n"
                 print(head + cheapest_fix(args, cfg, gpu), file=sys.stderr, flush=True)
-        return REPORTED  # no destroy_process_group: the peers are gone or stuck
+        return PEER_LOST if is_peer_lost(e) else REPORTED  # no destroy_process_group: the peers are gone or stuck
     dist.destroy_process_group()
     return rc
 
@@ -136,7 +141,10 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     if held_out is not None:  # pipelined, each call of the schedule takes grad_accum_steps micro-batches
         run.eval_loader = EvalLoader(held_out, micro_batch_size=cfg.micro_batch_size, dp_rank=mesh.dp_rank,
                                      dp_size=mesh.dims.dp, multiple=cfg.grad_accum_steps if mesh.pp else 1)
-    run.start_step = resume(cfg, m.inner, optimizer, loader, run.is_main)
+    state = resume(cfg, m.inner, optimizer, loader, run.scaler, run.is_main)
+    if state is not None:
+        run.start_step, run.schedule = state["step"], resumed_schedule(cfg, state)
+        run.mark_resume(state)
     run.print_header()
     run.profiler = StepProfiler(cfg.profile_steps, cfg.run_dir, run.rank, first_step=run.start_step + 1) \
         if cfg.profile_steps else None
@@ -144,6 +152,8 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
     t_run = time.perf_counter()
     for step in range(run.start_step + 1, cfg.steps + 1):
         run.step(step)
+        if run.stop_signal and step < cfg.steps:  # at the last step the run is complete: it ends as usual
+            return run.stop(step)
     if cfg.export_hf:
         state = full_model_state(m.inner, mesh.stage_leaders)
         if run.is_main:
@@ -173,7 +183,7 @@ class Run:
         self.fused = optimizer if optimizer.defaults.get("fused") and self.scaler is None else None
         self.experts = ExpertBalance(cfg, m.inner, m.parts, m.stage_ids, mesh, device) if m.args.n_routed_experts \
             else None
-        self.faults = FaultInjector(cfg.inject_fault, self.rank)
+        self.faults = FaultInjector(cfg.inject_fault, self.rank, signalled=lambda: STOP.signum)
         self.forward_backward = ForwardBackward(cfg, m, mesh, device, self.faults, self.experts, self.scaler,
                                                 loader.dataset.every_label_counts)
         self.eval_loader: EvalLoader | None = None
@@ -184,6 +194,9 @@ class Run:
         self.flops_per_token = flops_per_token(m.args, cfg.seq_len)
         self.peak = peak_flops(torch.cuda.get_device_name(device), cfg.precision) if device.type == "cuda" else None
         self.start_step, self.profiler = 0, None
+        self.schedule = cfg  # what lr_at follows: after --resume, the original run's schedule (resumed_schedule)
+        self.stop_signal = 0  # SIGINT/SIGTERM on any rank, known to every rank after the step's gather
+        self.checkpoint: Path | None = None  # the newest checkpoint this run wrote
         self.step_times: list[float] = []
         self.losses: list[float] = []
         self.metrics: dict = {}
@@ -193,7 +206,7 @@ class Run:
         the step's loss and health -> update -> MoE balancing -> telemetry and checkpoint."""
         cfg, mesh, optimizer = self.cfg, self.mesh, self.optimizer
         t0 = time.perf_counter()
-        lr = lr_at(cfg, step)
+        lr = lr_at(self.schedule, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = self.loader.next_step()
@@ -221,17 +234,48 @@ class Run:
                 self.logger.event("model_state", step, detail="bytes per rank", **layout)
         optimizer.zero_grad(set_to_none=True)
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
-        if self.eval_loader is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+        if self.eval_loader is not None and not self.stop_signal and (
+                (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
             self.evaluate(step)
-        if cfg.checkpoint_dir and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
+        every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if cfg.checkpoint_dir and (every or step == cfg.steps or self.stop_signal):
             config = dataclasses.asdict(cfg)
             if self.m.lora:  # the adapters only: the base is read back from --init-from, wherever export runs
                 config["init_from"] = str(Path(cfg.init_from).resolve())
-            path = save_checkpoint(cfg.checkpoint_dir, step, self.m.inner, optimizer,
-                                   {"data": self.loader.state_dict(), "config": config},
-                                   model_keys=is_adapter if self.m.lora else None)
+            self.checkpoint = save_checkpoint(
+                cfg.checkpoint_dir, step, self.m.inner, optimizer,
+                {"data": self.loader.state_dict(), "config": config, "lr_schedule": schedule_of(self.schedule)},
+                model_keys=is_adapter if self.m.lora else None, keep_last=cfg.keep_last, scaler=self.scaler)
             if self.is_main:
-                print(f"checkpoint: {path}", flush=True)
+                print(f"checkpoint: {self.checkpoint}", flush=True)
+
+    def mark_resume(self, state: dict) -> None:
+        """Say on the console and in the metrics file where this run continues from, and which lr schedule it
+        follows when this command's differs from it."""
+        if not self.is_main:
+            return
+        kept, asked = schedule_of(self.schedule), schedule_of(self.cfg)
+        detail = f"resumed from {state['path']} at step {state['step']}"
+        if kept != asked:
+            ours = ", ".join(f"{k} {v}" for k, v in kept.items() if v != asked[k])
+            theirs = ", ".join(f"{k} {v}" for k, v in asked.items() if v != kept[k])
+            print(f"lr schedule: the resumed run's ({ours}) is kept, not this command's ({theirs}); "
+                  f"--lr-schedule-reset follows this command's", flush=True)
+            detail += f"; the resumed run's lr schedule is kept ({ours})"
+        self.logger.event("resume", state["step"], detail=detail, checkpoint=state["path"], lr_schedule=kept)
+
+    def stop(self, step: int) -> int:
+        """After the step in which SIGINT/SIGTERM reached some rank (saved by step() when a folder is set): one line
+        with the command that resumes, a "stop" event, and 128 + the signal as exit code."""
+        checkpoint = str(self.checkpoint) if self.cfg.checkpoint_dir else None  # step() saved this step
+        message = stop_message(self.stop_signal, step, checkpoint, self.cfg.overwrite)
+        self.recorder.mark(step, "stopped")
+        if self.is_main:
+            self.logger.event("stop", step, detail=message.removeprefix("paraseek: "), signal=self.stop_signal,
+                              checkpoint=checkpoint)
+            print(message, file=sys.stderr, flush=True)
+        self.logger.close()
+        return 128 + self.stop_signal
 
     def evaluate(self, step: int) -> None:
         """The loss over every trained token of the evaluation data (and its perplexity), the same for any layout:
@@ -277,7 +321,11 @@ class Run:
     def _report(self, step: int, dt: float, ready_s: float, loss: float, grad_norm: float, lr: float,
                 moe_metrics: dict) -> None:
         """Every rank's step time (stragglers), the progress mark, the step's metrics and the profiler."""
-        rank_times = gather_step_times(dt, ready_s)  # every rank's time, the wait for the slowest taken out
+        # One small collective per step: every rank's step time and time to its first collective (straggler
+        # detection takes the wait for the slowest out) and the signal, if any, that asked it to stop.
+        rows = gather_floats([dt, ready_s, STOP.signum])
+        rank_times = own_step_times([r[0] for r in rows], [r[1] for r in rows])
+        self.stop_signal = int(max(r[2] for r in rows))  # ranks that got different ones: SIGTERM's 15 wins
         self.recorder.mark(step, "after_step")  # after the step's last collective
         if step == self.start_step + 1 and self.cfg.comm_timeout:
             set_comm_timeout(self.cfg.comm_timeout)  # after warm-up: the first step may compile and allocate

@@ -3,6 +3,7 @@ gradient clip, and the token loss every run minimizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -23,16 +24,35 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, device: 
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to cfg.lr over warmup_steps, then cosine/linear decay to lr * min_lr_ratio, or constant."""
+    """Linear warm-up to cfg.lr over warmup_steps, then cosine/linear decay to lr * min_lr_ratio, or constant; past
+    cfg.steps (a resumed run that trains longer and keeps the original schedule) it stays at the end's value."""
     if step <= cfg.warmup_steps:
         return cfg.lr * step / max(1, cfg.warmup_steps)
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
     floor = cfg.lr * cfg.min_lr_ratio
     if cfg.lr_schedule == "linear":
         return floor + (cfg.lr - floor) * (1 - progress)
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+SCHEDULE_FIELDS = ("lr", "warmup_steps", "lr_schedule", "min_lr_ratio", "steps")  # what lr_at reads
+
+
+def schedule_of(cfg: TrainConfig) -> dict:
+    return {name: getattr(cfg, name) for name in SCHEDULE_FIELDS}
+
+
+def resumed_schedule(cfg: TrainConfig, trainer_state: dict | None) -> TrainConfig:
+    """The configuration lr_at follows after --resume: the schedule of the run that wrote the checkpoint, so that a
+    resume with another --steps (or --lr) does not move the learning rate of the steps to come, unless
+    --lr-schedule-reset asks for this command's (Megatron-LM's --use-checkpoint-opt_param-scheduler and
+    --override-opt_param-scheduler, the same two choices)."""
+    if not trainer_state or cfg.lr_schedule_reset:
+        return cfg
+    saved = trainer_state.get("lr_schedule") or trainer_state.get("config") or {}
+    return dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved})
 
 
 def token_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

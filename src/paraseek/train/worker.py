@@ -1,6 +1,6 @@
 """The process torch's launcher starts for each rank (`python -m paraseek.train.worker`): it reads the resolved
 configuration the parent validated and wrote into the environment -- no argument parser, no CLI: every rank runs
-exactly that configuration -- trains, and leaves with the run's exit code."""
+exactly that configuration -- trains, and leaves with the run's exit code. SIGINT/SIGTERM: train/stop.py."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import sys
 
 from paraseek.errors import UserError
 from paraseek.train.config import TrainConfig
+from paraseek.train.stop import STOP
 
 CONFIG_ENV = "PARASEEK_TRAIN_CONFIG"  # the parent's resolved TrainConfig as JSON (train/launch.py)
 
 
 def run(cfg: TrainConfig) -> None:
-    """Train, then exit with its code: 0, 2 for a user error (printed by rank 0), progress.REPORTED or 130/143."""
+    """Train, then exit with its code: 0, 2 for a user error (printed by rank 0), progress.REPORTED or
+    progress.PEER_LOST for a failure, 130/143 when SIGINT/SIGTERM stopped it."""
+    STOP.install()  # first: the imports below take seconds
     from paraseek.train.loop import train
 
     try:
