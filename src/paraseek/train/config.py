@@ -412,7 +412,8 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
         raise UserError("--precision fp16 is for GPUs without bf16; on CPU use fp32 or bf16")
     if cfg.resume and not cfg.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir")
-    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+    # (the default interval applies only when a folder is given: a run without one saves nothing, and says so)
+    if cfg.checkpoint_every not in (0, TrainConfig.checkpoint_every) and not cfg.checkpoint_dir:
         raise UserError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir (where to write them)")
     if cfg.hardware and not Path(cfg.hardware).is_file():
         raise UserError(f"--hardware {cfg.hardware}: no such file (write one with paraseek doctor --save FILE)")
