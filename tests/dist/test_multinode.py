@@ -47,7 +47,7 @@ def test_two_nodes_give_the_single_process_losses(tmp_path):
         first = r.stdout.splitlines()[0]
         assert first.startswith(f"node {rank} of 2 (") and "NCCL_SOCKET_IFNAME=lo, GLOO_SOCKET_IFNAME=lo" in first
     assert "4 x cpu | FSDP2 dp_replicate=1 dp_shard=4" in nodes[0].stdout + nodes[1].stdout  # one job of 4 ranks
-    ref = plain_torch_losses(init)
+    ref = plain_torch_losses(init, STEPS)
     assert_same_losses(step_losses(tmp_path / "m.jsonl"), ref, rtol=1e-4)
     assert ref[STEPS] < ref[1]
 

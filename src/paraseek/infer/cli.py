@@ -419,7 +419,10 @@ def _result(p: Prompt, r, tokenizer) -> dict[str, Any]:
     if r.stream is not None:
         text = r.stream.text
     else:
-        text = tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens) if tokenizer else None
+        # Without stop strings "stop" is an end token, which has no text of its own (the engine's TextStream and the
+        # server leave it out too); token_ids keep it.
+        ids = r.output_ids[:-1] if r.finish_reason == "stop" else r.output_ids
+        text = tokenizer.decode(ids, skip_special_tokens=r.params.skip_special_tokens) if tokenizer else None
     out = {"index": p.index, "id": p.id, "prompt": p.text, "text": text, "token_ids": r.output_ids,
            "finish_reason": r.finish_reason, "prompt_tokens": r.num_prompt, "completion_tokens": r.num_output,
            "cached_prompt_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,

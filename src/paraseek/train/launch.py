@@ -93,8 +93,8 @@ def prepare(cfg: TrainConfig, with_prediction: bool = False, open_data: bool = T
 def _check_checkpoint_dir(cfg: TrainConfig, owner: bool = True) -> None:
     """checkpoint.prepare_checkpoint_dir with this model's parameter names and shapes from a meta-device build (no
     memory), printing from one process only."""
-    if not cfg.checkpoint_dir:
-        return  # (and torch's DCP stays unimported: a second of the launcher's start)
+    if not cfg.checkpoint_dir and not cfg.overwrite:
+        return  # nothing to check (and torch's DCP stays unimported: a second of the launcher's start)
     from paraseek.train.checkpoint import prepare_checkpoint_dir
 
     def shapes() -> dict[str, tuple[int, ...]]:
