@@ -28,11 +28,11 @@ from paraseek.train.worker import CONFIG_ENV
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    import torch
-
-    cfg = from_namespace(ns)
+    cfg = from_namespace(ns)  # a mistake in a flag or the TOML file costs no torch import (4 s on a small machine)
     if ns.slurm:
         return print_slurm_script(cfg, ns.argv[1:])
+    import torch
+
     os.environ[ARGV_ENV] = json.dumps(ns.argv)  # for the resume command a stopped run prints
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
