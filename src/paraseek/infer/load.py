@@ -47,6 +47,9 @@ def resolve_source(spec: str, *, random_weights: bool = False, tokenizer: str | 
         if step is None:
             raise UserError(f"{spec}: neither an HF model folder (no config.json) nor a paraseek checkpoint folder "
                             f"(no step-N/trainer_state.json)")
+        if random_weights:
+            raise UserError(f"--random-weights: {spec} is a training checkpoint, whose weights are used; leave out "
+                            f"--random-weights (it is for a preset or an HF folder's architecture)")
         return _from_checkpoint(spec, step, tok)
     if path.is_dir() or "/" in spec or spec.startswith("."):
         args, _, folder = resolve_model(spec)  # the folder's config.json; one line if it is broken

@@ -60,7 +60,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
-    engine_config(ns)
+    max_len = engine_config(ns).context_length(src.args)
     tokenizer = load_tokenizer(src)
     if ns.chat_template:
         if tokenizer is None:
@@ -107,7 +107,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from paraseek.serve.metrics import ServerMetrics
 
     name = ns.served_model_name or ns.model
-    max_len = min(ns.max_model_len or min(src.args.max_seq_len, 32768), src.args.max_seq_len)
     state = ServerState(name, tokenizer, max_len, ns.api_key, ns.max_queue, ns.request_timeout, defaults)
     app = build_app(state, ns.max_body_bytes)
     say = lambda msg: print(f"serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
