@@ -270,9 +270,9 @@ MISTAKES: list[Mistake] = [
       {**hf(), "p.jsonl": jsonl({"prompt_token_ids": [5, 999999]})}),
     m("generate: --prompts empty prompt_token_ids", f"{G} --prompts p.jsonl", "empty",
       {**hf(), "p.jsonl": jsonl({"prompt_token_ids": []})}),
-    m("generate: --prompts row with temperature -1", f"{G} --prompts p.jsonl", "row 2",
+    m("generate: --prompts row with temperature -1", f"{G} --prompts p.jsonl", "p.jsonl:2",
       {**hf(), "p.jsonl": jsonl({"prompt": "hi"}, {"prompt": "hi", "temperature": -1})}),
-    m("generate: --prompts messages that are a string", f"{G} --prompts p.jsonl", "row 1",
+    m("generate: --prompts messages that are a string", f"{G} --prompts p.jsonl", "p.jsonl:1",
       {**hf(chat=True), "p.jsonl": jsonl({"messages": "hi"})}),
     # ---- serve (start-up only) ------------------------------------------------------------------------------------------
     m("serve: without a model", "serve --port 18931", "model"),
