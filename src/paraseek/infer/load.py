@@ -53,10 +53,11 @@ def resolve_source(spec: str, *, random_weights: bool = False, tokenizer: str | 
         return _from_checkpoint(spec, step, tok)
     if path.is_dir() or "/" in spec or spec.startswith("."):
         args, _, folder = resolve_model(spec)  # the folder's config.json; one line if it is broken
-        has_weights = any(folder.glob("*.safetensors"))
-        if not has_weights and not random_weights:
-            raise UserError(f"{spec}: no *.safetensors weights in the folder; add --random-weights to run its "
-                            f"architecture with random weights (benchmarks)")
+        if not random_weights:
+            from paraseek.models.weights import weight_files
+
+            weight_files(folder, hint="; add --random-weights to run its architecture with random weights "
+                         "(benchmarks)")
         if tok is None and (folder / "tokenizer.json").is_file():
             tok, why = folder, f"the model folder's ({folder / 'tokenizer.json'})"
         else:

@@ -370,6 +370,11 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
         _check_nodes(cfg)
     if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
         raise UserError(f"--init-from {cfg.init_from}: not an HF folder (no config.json)")
+    if cfg.init_from:
+        from paraseek.models.weights import weight_files
+
+        weight_files(cfg.init_from, hint=", which --init-from starts from (--model with the folder starts from "
+                     "random weights of its architecture)")
     from paraseek.models.args import resolve_model
 
     model = cfg.init_from or cfg.model
