@@ -30,11 +30,12 @@ class ModelSource:
 
 def _checkpoint_step(folder: Path) -> Path | None:
     """The newest complete step folder of a training checkpoint folder (or the folder itself if it is one)."""
-    from paraseek.train.checkpoint import latest_checkpoint
+    from paraseek.train.checkpoint import needed_checkpoint
 
     if (folder / "trainer_state.json").is_file() and (folder / ".metadata").is_file():
         return folder
-    return latest_checkpoint(folder, warn=lambda line: print(f"paraseek: warning: {line}", file=sys.stderr))
+    return needed_checkpoint(folder, "the run was stopped before its first save completed, or the folder was "
+                             "damaged since", warn=lambda line: print(f"paraseek: warning: {line}", file=sys.stderr))
 
 
 def resolve_source(spec: str, *, random_weights: bool = False, tokenizer: str | None = None) -> ModelSource:

@@ -417,6 +417,12 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
         raise UserError("--precision fp16 is for GPUs without bf16; on CPU use fp32 or bf16")
     if cfg.resume and not cfg.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir")
+    if cfg.overwrite and not cfg.checkpoint_dir:
+        raise UserError("--overwrite replaces the checkpoints of --checkpoint-dir, and none is given")
+    if cfg.keep_last and not cfg.checkpoint_dir:
+        raise UserError(f"--keep-last {cfg.keep_last} needs --checkpoint-dir (the folder whose checkpoints it keeps)")
+    if cfg.lr_schedule_reset and not cfg.resume:
+        raise UserError("--lr-schedule-reset goes with --resume (a run from step 0 follows this command's schedule)")
     # (the default interval applies only when a folder is given: a run without one saves nothing, and says so)
     if cfg.checkpoint_every not in (0, TrainConfig.checkpoint_every) and not cfg.checkpoint_dir:
         raise UserError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir (where to write them)")
