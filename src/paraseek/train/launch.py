@@ -184,7 +184,7 @@ def _check_data(cfg: TrainConfig) -> None:
     from paraseek.models import resolve_model
     from paraseek.train.data import open_training_data
 
-    if cfg.data != "synthetic" or cfg.eval_data:
+    if cfg.data != "synthetic" or cfg.eval_data or cfg.eval_split:  # (an --eval-split of synthetic data is refused)
         args, _, _ = resolve_model(cfg.init_from or cfg.model)
         train, held_out = open_training_data(cfg, args.vocab_size)
         for what, ds in (("data", getattr(train, "dataset", train)), ("eval data", held_out)):
