@@ -105,7 +105,7 @@ T = "train --model tiny-dense --device cpu --nproc 1 --seq-len 16 --global-batch
 G = "generate hf --device cpu"
 S = "serve hf --device cpu --port 18931"
 P = "plan --model deepseek-v2-lite --gpus 8 --gpu-type H100 --global-batch-size 64"
-BI = "bench-infer tiny-dense --random-weights --device cpu"
+BI = "bench-infer tiny-dense --random-weights --device cpu --input-len 64:256 --output-len 16:128"
 BS = "bench-serve http://127.0.0.1:{freeport}"
 
 
