@@ -111,6 +111,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def parse_known_args(self, args=None, namespace=None):
+        given = sys.argv[1:] if args is None else list(args)
+        if self._subparsers is not None and given and given[0].startswith("-") and given[0] not in ("-h", "--help"):
+            # `paraseek --model X train`: argparse would call X an unknown command
+            flag = given[0].split("=", 1)[0]
+            command = next((a for a in given if a in self._subparsers._group_actions[0].choices), "COMMAND")
+            self.error(f"{flag} before the command: flags follow it, as in `{self.prog} {command} {flag} ...`")
         ns, extra = super().parse_known_args(args, namespace)
         if extra and self._subparsers is None:  # a subcommand's own: its flags are the ones to suggest
             from paraseek.train.config import did_you_mean

@@ -13,6 +13,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from paraseek.cli import main
 from paraseek.models import preset_config
@@ -177,6 +179,7 @@ def workdir(tmp_path_factory):
         (w / name / "config.json").write_text(json.dumps(dict(preset_config("tiny-dense"), vocab_size=vocab)))
         if tok:
             shutil.copy(BUNDLED_TOKENIZER, w / name / "tokenizer.json")
+        save_file({"unused": torch.zeros(1)}, w / name / "model.safetensors")  # --init-from needs weights
     (w / "lr.toml").write_text("lr = 1\n")
     (w / "dashes.toml").write_text('lr-schedule = "linear"\nwarmup-steps = 1\n')
     (w / "readonly").mkdir()

@@ -130,6 +130,49 @@ def sample_requests(n: int, input_len: str, output_len: str, vocab: int, seed: i
     return [(rng.integers(0, vocab, size=k).tolist(), o) for k, o in zip(ins, outs)]
 
 
+WORKLOADS = ("latency", "throughput", "concurrency")
+
+
+def check_workloads(ns: argparse.Namespace, max_len: int) -> tuple[list[str], list[int]]:
+    """(the workloads, the concurrency levels), every length flag checked and fitted to the context `max_len`:
+    before the engine is built, not in the middle of the runs."""
+    workloads = [w.strip() for w in ns.workloads.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad or not workloads:
+        raise UserError(f"--workloads: {f'unknown {bad[0]!r}' if bad else 'none given'}; expected "
+                        f"{', '.join(WORKLOADS)}")
+
+    def fits(what: str, tokens: int) -> None:
+        if tokens > max_len:
+            raise UserError(f"{what} need up to {tokens:,} tokens per sequence, more than the context of {max_len:,} "
+                            f"(the model's, or --max-model-len); give shorter lengths")
+
+    def lengths(*names: str) -> int:
+        for name in names:
+            if getattr(ns, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+        return sum(getattr(ns, name) for name in names)
+
+    if "latency" in workloads:
+        fits(f"--latency-input {ns.latency_input} + --latency-output {ns.latency_output}",
+             lengths("latency_input", "latency_output"))
+    if "throughput" in workloads:
+        (_, in_hi), (_, out_hi) = parse_range(ns.input_len, "--input-len"), parse_range(ns.output_len, "--output-len")
+        fits(f"--input-len {ns.input_len} with --output-len {ns.output_len}", in_hi + out_hi)
+    levels: list[int] = []
+    if "concurrency" in workloads:
+        try:
+            levels = [int(x) for x in ns.concurrency.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--concurrency {ns.concurrency!r}: expected comma-separated request counts such as "
+                            "1,8,32") from None
+        if not levels or min(levels) < 1:
+            raise UserError(f"--concurrency {ns.concurrency!r}: counts must be >= 1")
+        fits(f"--concurrency-input {ns.concurrency_input} + --concurrency-output {ns.concurrency_output}",
+             lengths("concurrency_input", "concurrency_output"))
+    return workloads, levels
+
+
 def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -157,10 +200,7 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
             e[0] = end - e[0]  # step wall time
         return reqs, wall
 
-    workloads = [w.strip() for w in ns.workloads.split(",") if w.strip()]
-    for w in workloads:
-        if w not in ("latency", "throughput", "concurrency"):
-            raise UserError(f"--workloads: unknown {w!r}; expected latency, throughput, concurrency")
+    workloads, levels = check_workloads(ns, engine.max_model_len)
     if "latency" in workloads:
         rows = []
         for _ in range(ns.reps + 1):  # the first repetition warms up
@@ -195,7 +235,7 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
         }
     if "concurrency" in workloads:
         rows = []
-        for c in [int(x) for x in ns.concurrency.split(",")]:
+        for c in levels:
             if c > engine.cfg.max_num_seqs:
                 continue
             prompts = [rng.integers(0, V, size=ns.concurrency_input).tolist() for _ in range(c)]
@@ -220,7 +260,7 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
-    engine_config(ns)
+    check_workloads(ns, engine_config(ns).context_length(src.args))
     if ns.tp * ns.dp > 1:
         raise UserError("bench-infer measures one replica on one process for now; --tp/--dp are measured with "
                         "`paraseek generate --tp N` timings")

@@ -100,10 +100,11 @@ def _measure(cfg, warmup: int, workdir: Path, quiet_stdout: bool) -> dict[str, A
     }
 
 
-def run_bench(ns: argparse.Namespace) -> int:
-    import torch
+# The train flags whose values a benchmark replaces (_measure): refused rather than silently not used.
+_NOT_USED = ("data", "metrics_jsonl", "run_dir", "checkpoint_dir", "export_hf", "tensorboard")
 
-    from paraseek.models import flops_per_token, resolve_model
+
+def run_bench(ns: argparse.Namespace) -> int:
     from paraseek.train.config import from_namespace
 
     if ns.calibrate:
@@ -113,10 +114,19 @@ def run_bench(ns: argparse.Namespace) -> int:
     if ns.warmup < 0:
         raise UserError(f"--warmup must be >= 0, got {ns.warmup}")
     base = from_namespace(ns)
+    for name in _NOT_USED:
+        if getattr(ns, name, None) is not None:
+            raise UserError(f"--{name.replace('_', '-')}: paraseek bench runs on synthetic tokens and keeps no "
+                            "output of its runs (it reports them, or --json); leave it out, or use paraseek train")
+    counts = _counts(ns.scaling) if ns.scaling else None
+    import torch
+
+    from paraseek.models import flops_per_token, resolve_model
+
     if base.steps == 100 and ns.steps is None:  # train's default is a long run; a benchmark wants a short one
         base = dataclasses.replace(base, steps=10)
     cuda = torch.cuda.is_available() and base.device != "cpu"
-    counts = _counts(ns.scaling) if ns.scaling else [base.nproc or (torch.cuda.device_count() if cuda else 2)]
+    counts = counts or [base.nproc or (torch.cuda.device_count() if cuda else 2)]
     first = counts[0]
     per_rank_batch = base.global_batch_size // first if ns.scaling else None
     ceiling = _matmul_ceiling(base.hardware)  # a bad profile fails here, not after the runs

@@ -65,10 +65,17 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--sampling-seed", type=int, help="per-request seed (prompt i gets seed + i)")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable); not part of the output")
-    s.add_argument("--stop-token-ids", type=lambda t: [int(x) for x in t.split(",") if x], default=[],
+    s.add_argument("--stop-token-ids", type=_token_ids, default=[],
                    help="comma-separated token ids that end a sequence, besides the model's end token")
     s.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (benchmarks)")
     s.add_argument("--logprobs", type=int, help="also return the chosen token's and the N most likely log-probabilities")
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 2,32000, got {text!r}") from None
 
 
 def _engine_defaults():
@@ -303,22 +310,23 @@ class Prompt:
     text: str | None  # as given (None for token-id prompts)
     token_ids: list[int]
     overrides: dict[str, Any]
+    where: str  # "prompt 2" (the second --prompt) or "FILE.jsonl:7" (its line), for messages
 
 
-def read_prompts(ns: argparse.Namespace, tokenizer) -> list[Prompt]:
-    rows: list[dict[str, Any]] = [{"prompt": t} for t in ns.prompt or []]
+def read_prompts(ns: argparse.Namespace, tokenizer, vocab_size: int) -> list[Prompt]:
+    rows: list[tuple[str, dict[str, Any]]] = [(f"prompt {i + 1}", {"prompt": t}) for i, t in enumerate(ns.prompt or [])]
     if ns.prompts:
         from paraseek.errors import read_jsonl_objects
 
-        rows += [row for _, row in read_jsonl_objects(ns.prompts, "prompt, prompt_token_ids or messages")]
+        rows += [(f"{ns.prompts}:{n}", row)
+                 for n, row in read_jsonl_objects(ns.prompts, "prompt, prompt_token_ids or messages")]
     if not rows:
         raise UserError("nothing to generate: give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     from paraseek.infer.sampling import SamplingParams
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     out = []
-    for i, row in enumerate(rows):
-        where = f"prompt {i + 1}" if ns.prompts is None else f"{ns.prompts} row {i + 1}"
+    for i, (where, row) in enumerate(rows):
         overrides = {k: v for k, v in row.items() if k in fields}
         if "max_new_tokens" in row:
             overrides["max_tokens"] = row["max_new_tokens"]
@@ -337,14 +345,21 @@ def read_prompts(ns: argparse.Namespace, tokenizer) -> list[Prompt]:
                                 f"or prompt_token_ids rows")
             if "messages" in row or ns.chat:
                 messages = row.get("messages") or [{"role": "user", "content": row.get("prompt", "")}]
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                try:
+                    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                except UserError as e:
+                    raise UserError(f"{where}: {e}") from None
             else:
                 text = row.get("prompt")
                 if not isinstance(text, str):
                     raise UserError(f"{where}: prompt must be a string")
                 ids = tokenizer.encode(text)
-        out.append(Prompt(i, str(row.get("id", i)), text, ids, overrides))
+        if not ids:
+            raise UserError(f"{where}: the prompt is empty (no token to start from)")
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
+            raise UserError(f"{where}: token id {bad[0]} is not in the model's vocabulary (0 to {vocab_size - 1})")
+        out.append(Prompt(i, str(row.get("id", i)), text, ids, overrides, where))
     return out
 
 
@@ -358,18 +373,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     cfg = engine_config(ns)
     defaults, why = generation_defaults(src)
     base = sampling_params(ns, defaults)
-    prompts = read_prompts(ns, tokenizer)
+    prompts = read_prompts(ns, tokenizer, src.args.vocab_size)
     params = []
-    max_len = min(cfg.max_model_len or min(src.args.max_seq_len, 32768), src.args.max_seq_len)
+    max_len = cfg.context_length(src.args)
     for p in prompts:
         try:
             sp = dataclasses.replace(base, **p.overrides).validate()
-        except TypeError as e:
-            raise UserError(f"prompt {p.index + 1}: {e}") from None
+        except (TypeError, UserError) as e:  # a row's own sampling field
+            raise UserError(f"{p.where}: {e}") from None
         if ns.sampling_seed is not None and "seed" not in p.overrides:
             sp.seed = ns.sampling_seed + p.index
         if len(p.token_ids) + sp.max_tokens > max_len:
-            raise UserError(f"prompt {p.index + 1} has {len(p.token_ids)} tokens; with {sp.max_tokens} new tokens that "
+            raise UserError(f"{p.where} has {len(p.token_ids)} tokens; with {sp.max_tokens} new tokens that "
                             f"exceeds the context of {max_len} (--max-model-len, --max-new-tokens)")
         params.append(sp)
     world = ns.tp * ns.dp

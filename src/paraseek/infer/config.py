@@ -36,3 +36,11 @@ class EngineConfig:
         for ok, msg in checks:
             if not ok:
                 raise UserError(msg)
+
+    def context_length(self, args) -> int:
+        """Prompt + output tokens per sequence for the model `args`: --max-model-len, which may not exceed the
+        model's positions (max_position_embeddings), else the model's, at most 32768."""
+        if self.max_model_len and self.max_model_len > args.max_seq_len:
+            raise UserError(f"--max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
+                            f"{args.max_seq_len}")
+        return self.max_model_len or min(args.max_seq_len, 32768)

@@ -91,10 +91,7 @@ class Engine:
         cfg.validate()
         self.cfg, self.tokenizer, self.log = cfg, tokenizer, log
         self.args = model.args
-        self.max_model_len = min(cfg.max_model_len or min(self.args.max_seq_len, 32768), self.args.max_seq_len)
-        if cfg.max_model_len and cfg.max_model_len > self.args.max_seq_len:
-            raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings "
-                            f"{self.args.max_seq_len}")
+        self.max_model_len = cfg.context_length(self.args)
         self.tp_group, self.meta_group = tp_group, meta_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.runner = ModelRunner(model, self.max_model_len, cfg.block_size, tp_group)

@@ -30,11 +30,12 @@ class ModelSource:
 
 def _checkpoint_step(folder: Path) -> Path | None:
     """The newest complete step folder of a training checkpoint folder (or the folder itself if it is one)."""
-    from paraseek.train.checkpoint import latest_checkpoint
+    from paraseek.train.checkpoint import needed_checkpoint
 
     if (folder / "trainer_state.json").is_file() and (folder / ".metadata").is_file():
         return folder
-    return latest_checkpoint(folder, warn=lambda line: print(f"paraseek: warning: {line}", file=sys.stderr))
+    return needed_checkpoint(folder, "the run was stopped before its first save completed, or the folder was "
+                             "damaged since", warn=lambda line: print(f"paraseek: warning: {line}", file=sys.stderr))
 
 
 def resolve_source(spec: str, *, random_weights: bool = False, tokenizer: str | None = None) -> ModelSource:
@@ -47,13 +48,17 @@ def resolve_source(spec: str, *, random_weights: bool = False, tokenizer: str | 
         if step is None:
             raise UserError(f"{spec}: neither an HF model folder (no config.json) nor a paraseek checkpoint folder "
                             f"(no step-N/trainer_state.json)")
+        if random_weights:
+            raise UserError(f"--random-weights: {spec} is a training checkpoint, whose weights are used; leave out "
+                            f"--random-weights (it is for a preset or an HF folder's architecture)")
         return _from_checkpoint(spec, step, tok)
     if path.is_dir() or "/" in spec or spec.startswith("."):
         args, _, folder = resolve_model(spec)  # the folder's config.json; one line if it is broken
-        has_weights = any(folder.glob("*.safetensors"))
-        if not has_weights and not random_weights:
-            raise UserError(f"{spec}: no *.safetensors weights in the folder; add --random-weights to run its "
-                            f"architecture with random weights (benchmarks)")
+        if not random_weights:
+            from paraseek.models.weights import weight_files
+
+            weight_files(folder, hint="; add --random-weights to run its architecture with random weights "
+                         "(benchmarks)")
         if tok is None and (folder / "tokenizer.json").is_file():
             tok, why = folder, f"the model folder's ({folder / 'tokenizer.json'})"
         else:

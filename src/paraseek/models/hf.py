@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paraseek.errors import UserError
+from paraseek.models.weights import weight_files
 from paraseek.models.args import ModelArgs, read_hf_config
 from paraseek.models.deepseek import Gate, Transformer
 from paraseek.models.init import copy_local
@@ -89,17 +90,10 @@ def ours_to_hub(state: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[tup
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from model.safetensors.index.json or the single model.safetensors."""
+    single = weight_files(folder, hint=" (only config.json); use the preset name to get random init")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {key: folder / fname for key, fname in weight_map.items()}
-        for f in set(files.values()):
-            if not f.is_file():
-                raise UserError(f"{index}: lists {f.name}, which is missing from the folder")
-        return files
-    single = sorted(folder.glob("*.safetensors"))
-    if not single:
-        raise UserError(f"{folder}: no *.safetensors weights (only config.json); use the preset name to get random init")
+        return {key: folder / fname for key, fname in json.loads(index.read_text())["weight_map"].items()}
     files: dict[str, Path] = {}
     for f in single:
         with safe_open(f, framework="pt") as st:

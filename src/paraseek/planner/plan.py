@@ -178,7 +178,7 @@ def make_cluster(gpu_type: str, n_gpus: int, gpus_per_node: int | None = None,
     spec, alias_note = resolve_gpu_type(gpu_type)
     if n_gpus <= 0:
         raise UserError(f"--gpus must be a positive number of GPUs, got {n_gpus}")
-    gpn = gpus_per_node or min(n_gpus, 8)
+    gpn = gpus_per_node if gpus_per_node is not None else min(n_gpus, 8)
     if gpn <= 0:
         raise UserError(f"--gpus-per-node must be positive, got {gpus_per_node}")
     if n_gpus > gpn and n_gpus % gpn:

@@ -19,6 +19,9 @@ def _check(ns: argparse.Namespace) -> None:
         (ns.drain_timeout >= 0, f"--drain-timeout must be >= 0 seconds, got {ns.drain_timeout}"),
         (ns.request_timeout > 0, f"--request-timeout must be > 0 seconds, got {ns.request_timeout}"),
         (ns.max_body_bytes >= 1024, f"--max-body-bytes must be >= 1024, got {ns.max_body_bytes}"),
+        # `--api-key "$KEY"` with KEY unset would otherwise serve without a key
+        (ns.api_key is None or ns.api_key.strip() != "",
+         "--api-key is empty (an unset variable?): give the key, or leave the flag out to serve without one"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -30,6 +33,20 @@ def _check(ns: argparse.Namespace) -> None:
             raise UserError(f"paraseek serve needs {mod}: pip install 'paraseek[serve]'") from None
 
 
+def _check_address(host: str, port: int) -> None:
+    """Bind the address as uvicorn will, now: a port in use or a host that is not this machine's costs one line
+    before the model loads, not a bind error after it."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); choose another "
+                            "--port, or a --host of this machine") from None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
@@ -38,10 +55,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from paraseek.infer.load import resolve_source
 
     _check(ns)
+    if os.environ.get(_WORKER_ENV) != "1":  # the launching process; its rank 0 listens
+        _check_address(ns.host, ns.port)
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
-    engine_config(ns)
+    max_len = engine_config(ns).context_length(src.args)
     tokenizer = load_tokenizer(src)
     if ns.chat_template:
         if tokenizer is None:
@@ -88,7 +107,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from paraseek.serve.metrics import ServerMetrics
 
     name = ns.served_model_name or ns.model
-    max_len = min(ns.max_model_len or min(src.args.max_seq_len, 32768), src.args.max_seq_len)
     state = ServerState(name, tokenizer, max_len, ns.api_key, ns.max_queue, ns.request_timeout, defaults)
     app = build_app(state, ns.max_body_bytes)
     say = lambda msg: print(f"serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731

@@ -103,6 +103,23 @@ def latest_checkpoint(root: str | Path, warn: Callable[[str], None] | None = Non
     return found
 
 
+def needed_checkpoint(root: str | Path, advice: str, warn: Callable[[str], None] | None = None,
+                      prefix: str = "") -> Path | None:
+    """latest_checkpoint for a command that needs a checkpoint of `root`: None when it holds none at all; when it
+    holds only damaged ones, one UserError that says why each was skipped, then `advice`. Newer damaged ones
+    skipped on the way to a complete one go to `warn`."""
+    skipped: list[str] = []
+    found = latest_checkpoint(root, skipped.append)
+    if found is None and has_checkpoints(root):
+        reasons = [s.removesuffix("; skipped").removesuffix("; ignored") for s in skipped]
+        more = f"; and {len(reasons) - 3} more" if len(reasons) > 3 else ""
+        raise UserError(f"{prefix}{root} holds no complete checkpoint ({'; '.join(reasons[:3])}{more}); {advice}")
+    for line in skipped:
+        if warn:
+            warn(line)
+    return found
+
+
 def _write_durably(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -233,11 +250,7 @@ def prepare_checkpoint_dir(cfg, model_shapes: Callable[[], dict[str, tuple[int, 
       serves the first launch and every restart, as job schedulers requeue jobs -- while a folder whose checkpoints
       are all damaged is refused, and so is a checkpoint of another model (names and shapes from `model_shapes()`).
     Damaged newer steps that --resume skips are reported through `warn`."""
-    if cfg.keep_last < 0:
-        raise UserError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {cfg.keep_last}")
-    if not cfg.checkpoint_dir:
-        if cfg.overwrite:
-            raise UserError("--overwrite replaces the checkpoints of --checkpoint-dir, and none is given")
+    if not cfg.checkpoint_dir:  # (validate refuses the folder's flags without it)
         return
     root = Path(cfg.checkpoint_dir)
     if root.exists() and not root.is_dir():
@@ -247,10 +260,8 @@ def prepare_checkpoint_dir(cfg, model_shapes: Callable[[], dict[str, tuple[int, 
                         "give one of the two")
     held = has_checkpoints(root)
     if cfg.resume:
-        path = latest_checkpoint(root, warn)
-        if path is None and held:
-            raise UserError(f"--resume: {root} holds no complete checkpoint (the reasons are above); move the damaged "
-                            f"folders away, or start again from step 0 with --overwrite instead of --resume")
+        path = needed_checkpoint(root, "move the damaged folders away, or start again from step 0 with --overwrite "
+                                       "instead of --resume", warn, prefix="--resume: ")
         if path is not None and (why := model_mismatch(path, model_shapes())):
             written = json.loads((path / "trainer_state.json").read_text()).get("config") or {}
             source = written.get("init_from") or written.get("model")

@@ -370,6 +370,11 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
         _check_nodes(cfg)
     if cfg.init_from and not (Path(cfg.init_from) / "config.json").is_file():
         raise UserError(f"--init-from {cfg.init_from}: not an HF folder (no config.json)")
+    if cfg.init_from:
+        from paraseek.models.weights import weight_files
+
+        weight_files(cfg.init_from, hint=", which --init-from starts from (--model with the folder starts from "
+                     "random weights of its architecture)")
     from paraseek.models.args import resolve_model
 
     model = cfg.init_from or cfg.model
@@ -412,9 +417,18 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
         raise UserError("--precision fp16 is for GPUs without bf16; on CPU use fp32 or bf16")
     if cfg.resume and not cfg.checkpoint_dir:
         raise UserError("--resume needs --checkpoint-dir")
+    if cfg.overwrite and not cfg.checkpoint_dir:
+        raise UserError("--overwrite replaces the checkpoints of --checkpoint-dir, and none is given")
+    if cfg.keep_last and not cfg.checkpoint_dir:
+        raise UserError(f"--keep-last {cfg.keep_last} needs --checkpoint-dir (the folder whose checkpoints it keeps)")
+    if cfg.lr_schedule_reset and not cfg.resume:
+        raise UserError("--lr-schedule-reset goes with --resume (a run from step 0 follows this command's schedule)")
     # (the default interval applies only when a folder is given: a run without one saves nothing, and says so)
     if cfg.checkpoint_every not in (0, TrainConfig.checkpoint_every) and not cfg.checkpoint_dir:
         raise UserError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir (where to write them)")
+    if not args.n_routed_experts and (cfg.moe_bias_gamma > 0 or cfg.moe_aux_loss_alpha > 0):
+        flag = "--moe-bias-gamma" if cfg.moe_bias_gamma > 0 else "--moe-aux-loss-alpha"
+        raise UserError(f"{flag} balances routed experts, and {model} has none (a dense model); leave it out")
     if cfg.hardware and not Path(cfg.hardware).is_file():
         raise UserError(f"--hardware {cfg.hardware}: no such file (write one with paraseek doctor --save FILE)")
     from paraseek.monitor.faults import check_faults, parse_faults
@@ -496,6 +510,11 @@ def _check_outputs(cfg: TrainConfig) -> None:
     for what, path in folders.items():
         if path:
             _check_writable(what, path, folder=True)
+    if cfg.export_hf:  # written at the end of the run: its files, or an --init-from folder's, would be replaced
+        from paraseek.train.export import check_out_folder
+
+        check_out_folder(cfg.export_hf, label="--export-hf ", fix="give a new or empty folder (the export would "
+                         "replace its files)")
 
 
 def _check_writable(what: str, path: str, folder: bool) -> None:

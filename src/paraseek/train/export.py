@@ -16,6 +16,17 @@ from paraseek.errors import UserError
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+def check_out_folder(out: str | Path, *, overwrite: bool = False, label: str = "",
+                     fix: str = "choose another folder or add --overwrite") -> None:
+    """The one rule of a folder an HF model is written to (`paraseek export`'s OUT_DIR, train's --export-hf): a new
+    or empty folder, or with `overwrite` one whose files may be replaced; never a file."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{label}{out} is a file; give a folder to write the model into")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"{label}{out} exists and is not empty; {fix}")
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
                       overwrite: bool = False, merge_lora: bool = False, export_adapter: bool = False,
                       log=print) -> Path:
@@ -36,8 +47,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
         step_dir = _checkpoint_step(folder)
         if step_dir is None:
             raise UserError(f"{folder}: not a paraseek checkpoint folder (no step-N/trainer_state.json)")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"{out} exists and is not empty; choose another folder or add --overwrite")
+    check_out_folder(out, overwrite=overwrite)
+    if out.resolve() in (folder.resolve(), step_dir.resolve(), step_dir.resolve().parent):
+        raise UserError(f"{out} is the checkpoint folder itself; write the HF folder somewhere else")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     src = _from_checkpoint(str(folder), step_dir, None)
     _check_lora_choice(src, step_dir, merge_lora, export_adapter)

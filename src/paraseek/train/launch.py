@@ -28,11 +28,11 @@ from paraseek.train.worker import CONFIG_ENV
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    import torch
-
-    cfg = from_namespace(ns)
+    cfg = from_namespace(ns)  # a mistake in a flag or the TOML file costs no torch import (4 s on a small machine)
     if ns.slurm:
         return print_slurm_script(cfg, ns.argv[1:])
+    import torch
+
     os.environ[ARGV_ENV] = json.dumps(ns.argv)  # for the resume command a stopped run prints
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
@@ -184,7 +184,7 @@ def _check_data(cfg: TrainConfig) -> None:
     from paraseek.models import resolve_model
     from paraseek.train.data import open_training_data
 
-    if cfg.data != "synthetic" or cfg.eval_data:
+    if cfg.data != "synthetic" or cfg.eval_data or cfg.eval_split:  # (an --eval-split of synthetic data is refused)
         args, _, _ = resolve_model(cfg.init_from or cfg.model)
         train, held_out = open_training_data(cfg, args.vocab_size)
         for what, ds in (("data", getattr(train, "dataset", train)), ("eval data", held_out)):
