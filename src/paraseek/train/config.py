@@ -278,13 +278,16 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
     if ns.config:
         path = Path(ns.config)
         if not path.is_file():
-            raise UserError(f"--config {path}: no such file")
+            raise UserError(f"--config {path}: {'a folder; give the TOML file' if path.is_dir() else 'no such file'}")
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise UserError(f"--config {path}: not valid TOML ({e})") from None
         for key, value in raw.items():
             name = key.replace("-", "_")
+            if name not in _FIELDS and isinstance(value, dict):  # [train] steps = 3
+                raise UserError(f"--config {path}: unknown key {key!r}, a [{key}] table: the keys are read at the "
+                                f"top level of the file (steps = 10, not under a table)")
             if name not in _FIELDS:
                 raise UserError(f"--config {path}: unknown key {key!r}{did_you_mean(name, _FIELDS)}")
             if why := field_problem(name, value, f"{key} in {path}"):
