@@ -323,6 +323,8 @@ MISTAKES: list[Mistake] = [
     m("plan: --hardware and --gpu-type", "plan --model deepseek-v2-lite --hardware h.json --gpu-type H100 "
       "--global-batch-size 8", "not both", {"h.json": '{"gpu_name": "H100"}'}),
     m("plan: --plot without --scaling", f"{P} --plot p.png", "--scaling"),
+    m("plan: --plot under a file", f"{P} --scaling 8,16 --plot notes.txt/p.png", "notes.txt",
+      {"notes.txt": "keep\n"}),
     m("plan: --strong without --scaling", f"{P} --strong", "--scaling"),
     m("plan: --scaling with words", f"{P} --scaling eight,sixteen", "--scaling"),
     m("plan: --scaling with a 0", f"{P} --scaling 0,8", "--scaling"),
@@ -343,6 +345,8 @@ MISTAKES: list[Mistake] = [
     m("bench: --checkpoint-dir (benchmarks write no checkpoint)", "bench --model tiny-dense --nproc 1 "
       "--checkpoint-dir ck", "--checkpoint-dir"),
     m("bench: --calibrate without a GPU", "bench --calibrate", "no CUDA", no_gpu=True),
+    m("bench: --plot under a file", "bench --model tiny-dense --device cpu --nproc 1 --seq-len 16 "
+      "--global-batch-size 1 --steps 1 --warmup 0 --plot notes.txt/bench.png", "notes.txt", {"notes.txt": "keep\n"}),
     # ---- bench-infer -------------------------------------------------------------------------------------------------
     m("bench-infer: a preset without --random-weights", "bench-infer tiny-dense", "--random-weights"),
     m("bench-infer: model folder that does not exist", "bench-infer ./DeepSeek-V2-Lite", "no such folder"),
@@ -353,6 +357,10 @@ MISTAKES: list[Mistake] = [
     m("bench-infer: --input-len past the model's context", f"{BI} --workloads throughput --input-len 600",
       "--input-len"),
     m("bench-infer: --tp 2", f"{BI} --tp 2", "one replica"),
+    m("bench-infer: --concurrency above --max-num-seqs", f"{BI} --workloads concurrency --max-num-seqs 4 "
+      "--concurrency 1,8", "--max-num-seqs"),
+    m("bench-infer: --plot under a file", f"{BI} --workloads concurrency --concurrency 1 --concurrency-output 4 "
+      "--plot notes.txt/c.png", "notes.txt", {"notes.txt": "keep\n"}),
     # ---- bench-serve -------------------------------------------------------------------------------------------------
     m("bench-serve: URL without http://", "bench-serve 127.0.0.1:8000", "http://"),
     m("bench-serve: nothing listens at the URL", BS, "does not answer"),
@@ -369,6 +377,7 @@ MISTAKES: list[Mistake] = [
     m("bench-serve: --prompts that does not exist", f"{BS} --prompts p.jsonl", "p.jsonl"),
     m("bench-serve: --prompts with a broken line", f"{BS} --prompts p.jsonl", "p.jsonl:2",
       {"p.jsonl": jsonl({"prompt": "hi"}, "prompt: hi")}),
+    m("bench-serve: --plot under a file", f"{BS} --plot notes.txt/s.png", "notes.txt", {"notes.txt": "keep\n"}),
     m("bench-serve: --prompts token ids for the chat endpoint", f"{BS} --endpoint chat --prompts p.jsonl",
       "--endpoint chat", {"p.jsonl": jsonl({"prompt_token_ids": [1, 2, 3]})}),
     # ---- doctor ------------------------------------------------------------------------------------------------------
