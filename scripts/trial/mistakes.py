@@ -233,6 +233,7 @@ MISTAKES: list[Mistake] = [
       {"ck/step-000004/trainer_state.json": "{not json"}),
     m("export: without OUT_DIR", "export ck", "out", fixtures=CK),
     m("export: --dtype fp16", "export ck out --dtype fp16", "invalid choice: 'fp16'", fixtures=CK),
+    m("export: --step 1.5", "export ck out --step 1.5", "invalid int value: '1.5'", fixtures=CK),
     # ---- generate ----------------------------------------------------------------------------------------------------
     m("generate: without a model", "generate --prompt hi", "model"),
     m("generate: model folder that does not exist", "generate ./DeepSeek-R1-Distill-Qwen-1.5B --prompt hi",
@@ -406,6 +407,7 @@ MISTAKES: list[Mistake] = [
     m("demo: --stpes typo", "demo --stpes 5", "did you mean --steps?"),
     m("demo: runs/demo is a file", "demo --steps 1", "runs/demo", {"runs/demo": "my notes\n"}),
     # ---- info --------------------------------------------------------------------------------------------------------
+    m("info: without a model", "info --json", "model"),
     m("info: unknown preset", "info deepseek-v4", "unknown model 'deepseek-v4'"),
     m("info: folder that does not exist", "info ./DeepSeek-V3", "no such folder"),
     m("info: folder without config.json", "info model", "no config.json", {"model": DIR}),
