@@ -240,8 +240,6 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
     if "concurrency" in workloads:
         rows = []
         for c in levels:
-            if c > engine.cfg.max_num_seqs:
-                continue
             prompts = [rng.integers(0, V, size=ns.concurrency_input).tolist() for _ in range(c)]
             reqs, wall = run(prompts, [ns.concurrency_output] * c)
             decode = [e for e in log if e[2] == c and e[3] == c]
