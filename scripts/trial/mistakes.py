@@ -155,10 +155,10 @@ MISTAKES: list[Mistake] = [
       {"run.toml": 'steps = "10"\n'}),
     m("train: --config precision fp8", "train --config run.toml", "precision in run.toml must be one of",
       {"run.toml": 'precision = "fp8"\n'}),
-    m("train: --config keys under a [train] table", "train --config run.toml", "unknown key 'train'",
+    m("train: --config keys under a [train] table", "train --config run.toml", "top level",
       {"run.toml": "[train]\nsteps = 3\n"}),
-    m("train: --config is a folder", "train --config cfg", "--config cfg", {"cfg": DIR}),
-    # ---- train: model (checked before torch is imported) --------------------------------------------------------------
+    m("train: --config is a folder", "train --config cfg", "--config cfg: a folder", {"cfg": DIR}),
+    # ---- train: model (checked before torch is imported) -------------------------------------------------------------
     m("train: unknown preset", "train --model deepseek-v4", "unknown model 'deepseek-v4'"),
     m("train: --model folder that does not exist", "train --model ./DeepSeek-V2-Lite", "no such folder"),
     m("train: --model folder without config.json", "train --model dl", "no config.json", {"dl/readme.md": "x"}),
@@ -166,7 +166,7 @@ MISTAKES: list[Mistake] = [
       hf(config='{"model_type": "llama",')),
     m("train: --model of an unsupported architecture", "train --model hf", "model_type",
       hf(config=json.dumps({"model_type": "gpt2", "vocab_size": 100}))),
-    # ---- train: the plan and the machine --------------------------------------------------------------------------------
+    # ---- train: the plan and the machine -----------------------------------------------------------------------------
     m("train: --seq-len longer than the model's positions", f"{T} --seq-len 100000", "longer than"),
     m("train: degrees that do not multiply to the world", f"{T} --nproc 3 --dp-shard 2", "world size is 3"),
     m("train: global batch not divisible", f"{T} --nproc 2 --global-batch-size 3", "not divisible"),
@@ -174,7 +174,7 @@ MISTAKES: list[Mistake] = [
     m("train: --device cuda without a GPU", f"{T} --device cuda", "no CUDA device", no_gpu=True),
     m("train: --plan auto on CPU", f"{T} --plan auto", "--plan auto plans for GPUs"),
     m("train: --moe-bias-gamma on a dense model", f"{T} --moe-bias-gamma 0.001", "--moe-bias-gamma"),
-    # ---- train: data and tokenizer --------------------------------------------------------------------------------------
+    # ---- train: data and tokenizer -----------------------------------------------------------------------------------
     m("train: --data that does not exist", f"{T} --data corpus.txt", "--data corpus.txt: no such file or folder"),
     m("train: --data a .csv file", f"{T} --data notes.csv", "unsupported file type '.csv'", {"notes.csv": "a,b\n"}),
     m("train: --data .jsonl with a broken line", f"{T} --data docs.jsonl", "docs.jsonl:2",
@@ -188,7 +188,7 @@ MISTAKES: list[Mistake] = [
     m("train: --tokenizer larger than the model's vocabulary", f"{T} --data book.txt --tokenizer big.json",
       "vocab_size", {"book.txt": TEXT, "big.json": big_tokenizer()}),
     m("train: --eval-split of synthetic data", f"{T} --eval-split 0.1", "synthetic"),
-    # ---- train: checkpoints, resume, outputs ----------------------------------------------------------------------------
+    # ---- train: checkpoints, resume, outputs -------------------------------------------------------------------------
     m("train: --resume without --checkpoint-dir", f"{T} --resume", "--resume needs --checkpoint-dir"),
     m("train: --keep-last without --checkpoint-dir", f"{T} --keep-last 3", "--checkpoint-dir"),
     m("train: --overwrite without --checkpoint-dir", f"{T} --overwrite", "--overwrite"),
@@ -208,13 +208,13 @@ MISTAKES: list[Mistake] = [
     m("train: --init-from a folder without weights", f"{T} --init-from hf", "safetensors", hf(weights=False)),
     m("train: --init-from a broken download", f"{T} --init-from hf", "model.safetensors",
       hf(weights=b"\x10\0\0\0\0\0\0\0{\"a\": ")),
-    # ---- train: LoRA, several nodes, SLURM ------------------------------------------------------------------------------
+    # ---- train: LoRA, several nodes, SLURM ---------------------------------------------------------------------------
     m("train: --lora-rank without --init-from", f"{T} --lora-rank 8", "--init-from"),
     m("train: --nnodes 2 without --rdzv-endpoint", f"{T} --nnodes 2", "needs --rdzv-endpoint"),
     m("train: --rdzv-endpoint without a port", f"{T} --nnodes 2 --rdzv-endpoint 10.1.2.3", "HOST:PORT"),
     m("train: --rdzv-endpoint localhost", f"{T} --nnodes 2 --rdzv-endpoint localhost:29500", "loopback"),
     m("train: --slurm without --nproc", "train --slurm --nnodes 2 --checkpoint-dir ck", "--slurm needs --nproc"),
-    # ---- export ---------------------------------------------------------------------------------------------------------
+    # ---- export ------------------------------------------------------------------------------------------------------
     m("export: checkpoint folder that does not exist", "export ckpt out", "ckpt: no such folder"),
     m("export: the run folder instead of its checkpoints", "export runs/demo out", "not a paraseek checkpoint",
       {"runs/demo/metrics.jsonl": jsonl({"step": 1, "loss": 8.0})}),
@@ -233,7 +233,8 @@ MISTAKES: list[Mistake] = [
       {"ck/step-000004/trainer_state.json": "{not json"}),
     m("export: without OUT_DIR", "export ck", "out", fixtures=CK),
     m("export: --dtype fp16", "export ck out --dtype fp16", "invalid choice: 'fp16'", fixtures=CK),
-    # ---- generate -------------------------------------------------------------------------------------------------------
+    m("export: --step 1.5", "export ck out --step 1.5", "invalid int value: '1.5'", fixtures=CK),
+    # ---- generate ----------------------------------------------------------------------------------------------------
     m("generate: without a model", "generate --prompt hi", "model"),
     m("generate: model folder that does not exist", "generate ./DeepSeek-R1-Distill-Qwen-1.5B --prompt hi",
       "no such folder"),
@@ -274,7 +275,7 @@ MISTAKES: list[Mistake] = [
       {**hf(), "p.jsonl": jsonl({"prompt": "hi"}, {"prompt": "hi", "temperature": -1})}),
     m("generate: --prompts messages that are a string", f"{G} --prompts p.jsonl", "p.jsonl:1",
       {**hf(chat=True), "p.jsonl": jsonl({"messages": "hi"})}),
-    # ---- serve (start-up only) ------------------------------------------------------------------------------------------
+    # ---- serve (start-up only) ---------------------------------------------------------------------------------------
     m("serve: without a model", "serve --port 18931", "model"),
     m("serve: model folder that does not exist", "serve ./DeepSeek-R1-Distill-Qwen-1.5B --port 18931",
       "no such folder"),
@@ -293,7 +294,7 @@ MISTAKES: list[Mistake] = [
     m("serve: a sampling flag", f"{S} --temperature 0.7", "unknown flag --temperature", hf()),
     m("serve: --tp 3 does not divide the heads", f"{S} --tp 3", "--tp 3", hf()),
     m("serve: --max-model-len past the model's positions", f"{S} --max-model-len 100000", "--max-model-len", hf()),
-    # ---- plan -----------------------------------------------------------------------------------------------------------
+    # ---- plan --------------------------------------------------------------------------------------------------------
     m("plan: without --model", "plan --gpus 8 --gpu-type H100 --global-batch-size 64", "--model"),
     m("plan: unknown model", "plan --model deepseek-v4 --gpus 8 --gpu-type H100 --global-batch-size 64",
       "unknown model 'deepseek-v4'"),
@@ -323,6 +324,8 @@ MISTAKES: list[Mistake] = [
     m("plan: --hardware and --gpu-type", "plan --model deepseek-v2-lite --hardware h.json --gpu-type H100 "
       "--global-batch-size 8", "not both", {"h.json": '{"gpu_name": "H100"}'}),
     m("plan: --plot without --scaling", f"{P} --plot p.png", "--scaling"),
+    m("plan: --plot under a file", f"{P} --scaling 8,16 --plot notes.txt/p.png", "notes.txt",
+      {"notes.txt": "keep\n"}),
     m("plan: --strong without --scaling", f"{P} --strong", "--scaling"),
     m("plan: --scaling with words", f"{P} --scaling eight,sixteen", "--scaling"),
     m("plan: --scaling with a 0", f"{P} --scaling 0,8", "--scaling"),
@@ -331,7 +334,7 @@ MISTAKES: list[Mistake] = [
     m("plan: bf16 weights on a V100", "plan --model deepseek-llm-7b --gpus 8 --gpu-type V100 --mode infer "
       "--weight-dtype bf16", "bf16"),
     m("plan: inference context past the model's positions", f"{P} --mode infer --seq-len 10000000", "--seq-len"),
-    # ---- bench ----------------------------------------------------------------------------------------------------------
+    # ---- bench -------------------------------------------------------------------------------------------------------
     m("bench: --warmup -1", "bench --warmup=-1", "--warmup"),
     m("bench: --scaling with a 0", "bench --scaling 0,2", "--scaling"),
     m("bench: --scaling with words", "bench --scaling one,two", "--scaling"),
@@ -343,7 +346,9 @@ MISTAKES: list[Mistake] = [
     m("bench: --checkpoint-dir (benchmarks write no checkpoint)", "bench --model tiny-dense --nproc 1 "
       "--checkpoint-dir ck", "--checkpoint-dir"),
     m("bench: --calibrate without a GPU", "bench --calibrate", "no CUDA", no_gpu=True),
-    # ---- bench-infer ----------------------------------------------------------------------------------------------------
+    m("bench: --plot under a file", "bench --model tiny-dense --device cpu --nproc 1 --seq-len 16 "
+      "--global-batch-size 1 --steps 1 --warmup 0 --plot notes.txt/bench.png", "notes.txt", {"notes.txt": "keep\n"}),
+    # ---- bench-infer -------------------------------------------------------------------------------------------------
     m("bench-infer: a preset without --random-weights", "bench-infer tiny-dense", "--random-weights"),
     m("bench-infer: model folder that does not exist", "bench-infer ./DeepSeek-V2-Lite", "no such folder"),
     m("bench-infer: --workloads typo", f"{BI} --workloads latncy", "latncy"),
@@ -353,7 +358,11 @@ MISTAKES: list[Mistake] = [
     m("bench-infer: --input-len past the model's context", f"{BI} --workloads throughput --input-len 600",
       "--input-len"),
     m("bench-infer: --tp 2", f"{BI} --tp 2", "one replica"),
-    # ---- bench-serve ----------------------------------------------------------------------------------------------------
+    m("bench-infer: --concurrency above --max-num-seqs", f"{BI} --workloads concurrency --max-num-seqs 4 "
+      "--concurrency 1,8", "--max-num-seqs"),
+    m("bench-infer: --plot under a file", f"{BI} --workloads concurrency --concurrency 1 --concurrency-output 4 "
+      "--plot notes.txt/c.png", "notes.txt", {"notes.txt": "keep\n"}),
+    # ---- bench-serve -------------------------------------------------------------------------------------------------
     m("bench-serve: URL without http://", "bench-serve 127.0.0.1:8000", "http://"),
     m("bench-serve: nothing listens at the URL", BS, "does not answer"),
     m("bench-serve: without a URL", "bench-serve --num-prompts 10", "url"),
@@ -369,9 +378,10 @@ MISTAKES: list[Mistake] = [
     m("bench-serve: --prompts that does not exist", f"{BS} --prompts p.jsonl", "p.jsonl"),
     m("bench-serve: --prompts with a broken line", f"{BS} --prompts p.jsonl", "p.jsonl:2",
       {"p.jsonl": jsonl({"prompt": "hi"}, "prompt: hi")}),
+    m("bench-serve: --plot under a file", f"{BS} --plot notes.txt/s.png", "notes.txt", {"notes.txt": "keep\n"}),
     m("bench-serve: --prompts token ids for the chat endpoint", f"{BS} --endpoint chat --prompts p.jsonl",
       "--endpoint chat", {"p.jsonl": jsonl({"prompt_token_ids": [1, 2, 3]})}),
-    # ---- doctor ---------------------------------------------------------------------------------------------------------
+    # ---- doctor ------------------------------------------------------------------------------------------------------
     m("doctor: --save into a folder that does not exist", "doctor --quick --save profiles/h200.json", "profiles"),
     m("doctor: --iters 0", "doctor --quick --iters 0", "--iters"),
     m("doctor: --warmup -1", "doctor --quick --warmup=-1", "--warmup"),
@@ -384,19 +394,20 @@ MISTAKES: list[Mistake] = [
       {"report.json": '{"loss": 1.0}'}),
     m("doctor: --fail-on errors", "doctor --quick --fail-on errors", "invalid choice: 'errors'"),
     m("doctor: a positional", "doctor all", "unexpected argument 'all'"),
-    # ---- diagnose -------------------------------------------------------------------------------------------------------
+    # ---- diagnose ----------------------------------------------------------------------------------------------------
     m("diagnose: without a folder", "diagnose", "run_dir"),
     m("diagnose: folder that does not exist", "diagnose runs/last", "no such folder"),
     m("diagnose: an empty folder", "diagnose run", "not a run folder", {"run": DIR}),
     m("diagnose: the checkpoint folder instead of the run folder", "diagnose ck", "not a run folder", fixtures=CK),
     m("diagnose: a file", "diagnose metrics.jsonl", "metrics.jsonl", {"metrics.jsonl": jsonl({"step": 1})}),
-    # ---- demo -----------------------------------------------------------------------------------------------------------
+    # ---- demo --------------------------------------------------------------------------------------------------------
     m("demo: --steps -5", "demo --steps=-5", "--steps"),
     m("demo: a positional", "demo tiny-moe", "unexpected argument 'tiny-moe'"),
     m("demo: --nproc (not a demo flag)", "demo --nproc 2", "unknown flag --nproc"),
     m("demo: --stpes typo", "demo --stpes 5", "did you mean --steps?"),
     m("demo: runs/demo is a file", "demo --steps 1", "runs/demo", {"runs/demo": "my notes\n"}),
-    # ---- info -----------------------------------------------------------------------------------------------------------
+    # ---- info --------------------------------------------------------------------------------------------------------
+    m("info: without a model", "info --json", "model"),
     m("info: unknown preset", "info deepseek-v4", "unknown model 'deepseek-v4'"),
     m("info: folder that does not exist", "info ./DeepSeek-V3", "no such folder"),
     m("info: folder without config.json", "info model", "no config.json", {"model": DIR}),

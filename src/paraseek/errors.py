@@ -4,6 +4,7 @@ one-line readers of user files."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,3 +43,31 @@ def parse_range(spec: str, what: str) -> tuple[int, int]:
     if not 1 <= lo_i <= hi_i:
         raise UserError(f"{what} must be N or LO:HI with 1 <= LO <= HI, got {spec!r}")
     return lo_i, hi_i
+
+
+def check_writable(what: str, path: str, folder: bool) -> None:
+    """An output path (a `folder` or a file) that the command will write or make later, refused now if it cannot
+    be: a file where a folder is meant or the reverse, a file in the way of the folders to make, no permission.
+    Nothing is created here: a refused command leaves nothing behind."""
+    p = Path(path).expanduser().absolute()
+    if p.exists() and p.is_dir() != folder:
+        raise UserError(f"{what} {path}: that is a {'file' if folder else 'folder'}; give a "
+                        f"{'folder' if folder else 'file'} path")
+    start = p if folder else p.parent
+    ancestor = next(a for a in (start, *start.parents) if a.exists())
+    if not ancestor.is_dir():
+        raise UserError(f"{what} {path}: {ancestor} is a file, so no folder can be made there")
+    if not os.access(ancestor, os.W_OK | os.X_OK) or (p.is_file() and not os.access(p, os.W_OK)):
+        raise UserError(f"{what} {path}: {p if p.is_file() else ancestor} is not writable by this user")
+
+
+def check_plot(path: str | None) -> None:
+    """--plot FILE.png of the benchmarks and the planner, checked before anything is measured: matplotlib is there
+    and the file can be written (its folder is made when it is missing)."""
+    if not path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    check_writable("--plot", path, folder=False)

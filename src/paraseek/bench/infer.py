@@ -13,9 +13,10 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError, parse_range
+from paraseek.errors import UserError, check_plot, parse_range
 
 
 @dataclass
@@ -168,6 +169,9 @@ def check_workloads(ns: argparse.Namespace, max_len: int) -> tuple[list[str], li
                             "1,8,32") from None
         if not levels or min(levels) < 1:
             raise UserError(f"--concurrency {ns.concurrency!r}: counts must be >= 1")
+        if max(levels) > ns.max_num_seqs:  # the engine runs no more at once: that level could not be measured
+            raise UserError(f"--concurrency {max(levels)} is more than --max-num-seqs {ns.max_num_seqs} sequences "
+                            f"run at once; raise --max-num-seqs or leave that level out")
         fits(f"--concurrency-input {ns.concurrency_input} + --concurrency-output {ns.concurrency_output}",
              lengths("concurrency_input", "concurrency_output"))
     return workloads, levels
@@ -236,8 +240,6 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
     if "concurrency" in workloads:
         rows = []
         for c in levels:
-            if c > engine.cfg.max_num_seqs:
-                continue
             prompts = [rng.integers(0, V, size=ns.concurrency_input).tolist() for _ in range(c)]
             reqs, wall = run(prompts, [ns.concurrency_output] * c)
             decode = [e for e in log if e[2] == c and e[3] == c]
@@ -261,6 +263,7 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
     device = device_for(ns)
     check_parallel(ns, src.args, device)
     check_workloads(ns, engine_config(ns).context_length(src.args))
+    check_plot(ns.plot)
     if ns.tp * ns.dp > 1:
         raise UserError("bench-infer measures one replica on one process for now; --tp/--dp are measured with "
                         "`paraseek generate --tp N` timings")
@@ -331,6 +334,7 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

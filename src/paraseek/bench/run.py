@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, check_plot
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -119,6 +119,7 @@ def run_bench(ns: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')}: paraseek bench runs on synthetic tokens and keeps no "
                             "output of its runs (it reports them, or --json); leave it out, or use paraseek train")
     counts = _counts(ns.scaling) if ns.scaling else None
+    check_plot(ns.plot)
     import torch
 
     from paraseek.models import flops_per_token, resolve_model

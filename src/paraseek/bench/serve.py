@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError, parse_range, read_jsonl_objects
+from paraseek.errors import UserError, check_plot, parse_range, read_jsonl_objects
 
 # Random prompt ids come from here: every real vocabulary has these ids, and special tokens sit at its ends.
 _ID_RANGE = (16, 1000)
@@ -281,6 +281,7 @@ def _plot(doc: dict[str, Any], path: str) -> None:
         ax.legend()
     fig.suptitle(f"{doc['model']} at {doc['url']} ({doc['endpoint']})", fontsize=9)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"plot: {path}", file=sys.stderr)
 
@@ -341,11 +342,7 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
             points = [(rate, c) for c in cs]
     rng = random.Random(ns.seed)
     jobs = make_jobs(ns, rng)  # before any request: bad input costs nothing
-    if ns.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    check_plot(ns.plot)
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     served = _served_model(url, headers, min(ns.timeout, 30))  # also the one-line check that the server answers
     model = ns.model or served

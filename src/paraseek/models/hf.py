@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paraseek.errors import UserError
-from paraseek.models.weights import weight_files
 from paraseek.models.args import ModelArgs, read_hf_config
 from paraseek.models.deepseek import Gate, Transformer
 from paraseek.models.init import copy_local
+from paraseek.models.weights import weight_files
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

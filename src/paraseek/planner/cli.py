@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, check_plot
 
 
 def register(subparsers) -> None:
@@ -89,6 +89,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         raise UserError("--plot draws the --scaling curve; add --scaling 8,16,...")
     if ns.strong and not ns.scaling:
         raise UserError("--strong goes with --scaling 8,16,...")
+    check_plot(ns.plot)
     compile_modes = {"auto": None, "true": True, "false": False}
     if ns.compile not in compile_modes:
         raise UserError(f"--compile {ns.compile!r}: expected auto, true or false")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from typing import Any
 
 from paraseek.errors import UserError
@@ -320,6 +321,7 @@ def plot_scaling(rows: list[ScalingRow], path: str, title: str) -> None:
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     except OSError as e:
         raise UserError(f"--plot {path}: cannot write ({e.strerror})") from None

@@ -8,13 +8,12 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, check_writable
 from paraseek.planner.dims import SCHEDULES, ParallelDims, default_virtual_stages
 
 
@@ -278,13 +277,16 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
     if ns.config:
         path = Path(ns.config)
         if not path.is_file():
-            raise UserError(f"--config {path}: no such file")
+            raise UserError(f"--config {path}: {'a folder; give the TOML file' if path.is_dir() else 'no such file'}")
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise UserError(f"--config {path}: not valid TOML ({e})") from None
         for key, value in raw.items():
             name = key.replace("-", "_")
+            if name not in _FIELDS and isinstance(value, dict):  # [train] steps = 3
+                raise UserError(f"--config {path}: unknown key {key!r}, a [{key}] table: the keys are read at the "
+                                f"top level of the file (steps = 10, not under a table)")
             if name not in _FIELDS:
                 raise UserError(f"--config {path}: unknown key {key!r}{did_you_mean(name, _FIELDS)}")
             if why := field_problem(name, value, f"{key} in {path}"):
@@ -500,7 +502,7 @@ def _check_outputs(cfg: TrainConfig) -> None:
     """Every path the run writes, refused now if it cannot be written there, so a mistake costs no run. Nothing is
     created here: a refused run leaves nothing behind."""
     if cfg.metrics_jsonl:  # first: the default --run-dir is its folder
-        _check_writable("--metrics-jsonl", cfg.metrics_jsonl, folder=False)
+        check_writable("--metrics-jsonl", cfg.metrics_jsonl, folder=False)
     folders = {"--checkpoint-dir": cfg.checkpoint_dir, "--export-hf": cfg.export_hf,
                "--tensorboard": cfg.tensorboard, "--run-dir": cfg.run_dir}
     if cfg.data != "synthetic":
@@ -509,25 +511,12 @@ def _check_outputs(cfg: TrainConfig) -> None:
         folders["the token cache ($PARASEEK_CACHE)"] = str(cache_dir())
     for what, path in folders.items():
         if path:
-            _check_writable(what, path, folder=True)
+            check_writable(what, path, folder=True)
     if cfg.export_hf:  # written at the end of the run: its files, or an --init-from folder's, would be replaced
         from paraseek.train.export import check_out_folder
 
         check_out_folder(cfg.export_hf, label="--export-hf ", fix="give a new or empty folder (the export would "
                          "replace its files)")
-
-
-def _check_writable(what: str, path: str, folder: bool) -> None:
-    p = Path(path).expanduser().absolute()
-    if p.exists() and p.is_dir() != folder:
-        raise UserError(f"{what} {path}: that is a {'file' if folder else 'folder'}; give a "
-                        f"{'folder' if folder else 'file'} path")
-    start = p if folder else p.parent
-    ancestor = next(a for a in (start, *start.parents) if a.exists())
-    if not ancestor.is_dir():
-        raise UserError(f"{what} {path}: {ancestor} is a file, so no folder can be made there")
-    if not os.access(ancestor, os.W_OK | os.X_OK) or (p.is_file() and not os.access(p, os.W_OK)):
-        raise UserError(f"{what} {path}: {p if p.is_file() else ancestor} is not writable by this user")
 
 
 def _validate_data_flags(cfg: TrainConfig) -> None:
