@@ -153,7 +153,8 @@ def _paged_layout(gen: torch.Generator, B: int, M: int, block_size: int):
     random permutation of the physical blocks (and spare blocks nobody owns), -1 past each sequence's last block."""
     cap = M * block_size
     ctx = torch.randint(1, cap + 1, (B,), generator=gen)
-    specials = [cap, 1, kernels.PARTITION, kernels.PARTITION + 1, 2 * kernels.PARTITION - 1, CAP_PARTITIONS + 1]
+    specials = [cap, 1, kernels.PARTITION, kernels.PARTITION + 1, 2 * kernels.PARTITION - 1, CAP_PARTITIONS + 1,
+                kernels.SHORT_CONTEXT, kernels.SHORT_CONTEXT + 1, kernels.SHORT_PARTITION + 1]
     for i, c in enumerate([c for c in specials if c <= cap][:B]):
         ctx[i] = c
     num_blocks = B * M + 5
@@ -173,7 +174,7 @@ GQA_CASES_INTERPRET = [
     (3, 32, 8, 128, 16, 36),  # groups of 4 at D=128, 3 partitions
     (3, 4, 2, 16, 16, 40),  # groups of 2, tiny test dims
     (37, 8, 8, 32, 64, 8),  # groups of 1 (MHA), 2 partitions
-    (3, 8, 1, 32, 64, 2),  # a group of 8 (MQA), one partition: the direct path
+    (3, 8, 1, 32, 64, 1),  # a group of 8 (MQA), one partition: the direct path
     (2, 4, 1, 16, 256, 66),  # past MAX_PARTITIONS x PARTITION tokens: partitions of 512
 ]
 GQA_CASES_CUDA = [
@@ -184,7 +185,7 @@ GQA_CASES_CUDA = [
     (3, 4, 2, 16, 16, 64),
     (5, 16, 4, 128, 32, 30),
     (3, 8, 2, 64, 128, 9),
-    (4, 8, 1, 128, 64, 2),  # direct path
+    (4, 8, 1, 128, 64, 1),  # direct path
     (2, 128, 1, 64, 256, 80),  # a group of 128 (two tiles of 64 heads), past 16K tokens
     (1, 8, 2, 128, 16, 1100),  # 17.6K context, block 16
 ]

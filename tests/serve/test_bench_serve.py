@@ -112,3 +112,26 @@ def test_api_key(strict, capsys):
     assert "wants an API key" in err and len(err.splitlines()) == 1, err
     doc = bench(capsys, strict.url, "--api-key", KEY, "--num-prompts", "2", "--input-len", "4", "--output-len", "2")
     assert doc["runs"][0]["completed"] == 2
+
+
+def test_a_server_without_a_tokenizer_streams_token_ids(capsys):
+    """Random weights of a preset have no tokenizer (the GPU benchmarks serve them): each token still goes out as
+    its own chunk, with its id, so that bench-serve times the first token and the gaps, not only the end."""
+    import httpx
+    from serve_helpers import Server
+
+    s = Server("tiny-dense", "--random-weights")
+    try:
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+        whole = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        streamed = []
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += [json.loads(line[6:])["choices"][0]["token_ids"]]
+        assert len(whole["token_ids"]) == 6 and streamed == [[t] for t in whole["token_ids"]]
+        run = bench(capsys, s.url, "--num-prompts", "4", "--input-len", "4", "--output-len", "6")["runs"][0]
+        assert run["completed"] == 4 and run["output_tokens"] == 24
+        assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"] and run["tpot_ms"]["p50"] > 0
+    finally:
+        s.stop()

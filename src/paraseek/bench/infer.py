@@ -106,9 +106,9 @@ def _timed_engine(engine, cost: StepCost):
     run = engine.runner.run
     log: list = []
 
-    def priced(hb):
+    def priced(hb, patch=None):
         t0 = time.perf_counter()
-        out = run(hb)
+        out = run(hb, patch)
         log.append([t0, cost.add(hb), hb.n_decode, len(hb.ids)])
         return out
 

@@ -7,7 +7,7 @@ turn. Prompts are random token ids for completions (the server takes `prompt` as
 needed here) or random words for chat, or rows of --prompts FILE.jsonl; outputs are forced to their length with
 ignore_eos + max_tokens. Every request streams, and per request we time:
 
-  TTFT  arrival -> first chunk with text         ITL   gaps between text chunks
+  TTFT  arrival -> first chunk with output       ITL   gaps between output chunks
   e2e   arrival -> last chunk                    TPOT  (e2e - TTFT) / (output tokens - 1)
 
 Token counts are the server's own (stream_options.include_usage). Throughputs are over the run's wall time;
@@ -168,6 +168,9 @@ async def _send(client, url: str, model: str, endpoint: str, job: Job, headers: 
 
 
 def _has_text(choice: dict) -> bool:
+    """A chunk that carries output: text, or the token ids of a server without a tokenizer."""
+    if choice.get("token_ids"):
+        return True
     if "text" in choice:
         return bool(choice["text"])
     delta = choice.get("delta") or {}

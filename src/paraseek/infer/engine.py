@@ -23,7 +23,7 @@ from paraseek.infer.config import EngineConfig
 from paraseek.infer.runner import HostBatch, ModelRunner
 from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, sample
 from paraseek.planner.memory import ALLOCATOR_FRACTION
-from paraseek.infer.scheduler import Request, Scheduler, StepPlan
+from paraseek.infer.scheduler import Request, Scheduled, Scheduler, Status, StepPlan
 
 GiB = 2**30
 
@@ -52,6 +52,18 @@ class CacheReport:
         if planned and measured:
             out += f"; plan --mode infer: {planned:,} tokens ({(planned - measured) / measured:+.1%})"
         return out
+
+
+@dataclass
+class InFlight:
+    """A launched greedy step whose tokens are still on the device: row i of `tokens` is items[i]'s next token,
+    to be written at token_ids[positions[i]] of its request."""
+
+    items: list[Scheduled]
+    positions: list[int]
+    tokens: torch.Tensor  # [n] int64 on the step's device
+    host: torch.Tensor  # [n] its copy on the host (pinned; filled once `event` has happened)
+    event: object | None
 
 
 class TextStream:
@@ -123,6 +135,10 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_generated = self.num_prompt_tokens = 0
+        self._host_sampled = 0  # requests whose tokens are sampled on the host side: the steps do not overlap
+        self._in_flight: InFlight | None = None
+        self._pinned_tokens = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self._flip = 0
 
     # ---- KV cache sizing ----------------------------------------------------------------------------------------------
     def _size_cache(self) -> CacheReport:
@@ -261,84 +277,165 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
+        self._host_sampled += not req.plain_greedy
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
 
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is not None:
+            del req.token_ids[len(req.token_ids) - req.pending:]
+            req.pending = 0
             self.scheduler.finish(req, "abort")
+            self._forget(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that received a token (finished ones included)."""
+        """Run one scheduler step; returns the requests that received a token (finished ones included).
+
+        When every request is plain greedy and the replica is one process, steps overlap (vLLM's async scheduling):
+        a step is launched before the previous step's tokens are read back, its decode inputs taken from those
+        tokens on the device, so the host's scheduling, input building and delivery run while the GPU computes. A
+        token is then delivered one step after it was computed, and a request that ends on a stop token has run one
+        extra step whose token is dropped. Anything else (sampling, penalties, log-probabilities, tp > 1) reads
+        each step back before the next."""
+        prev, self._in_flight = self._in_flight, None
+        if self._host_sampled or self.tp > 1:
+            return (self._read_back(prev) if prev else []) + self._step_synchronous()
+        plan = self.scheduler.schedule()
+        if plan.items:
+            self._in_flight = self._launch(plan, prev)
+        return self._read_back(prev) if prev else []
+
+    def _step_synchronous(self) -> list[Request]:
         plan = self.scheduler.schedule()
         if not plan.items:
             return []
-        hb = self._host_batch(plan)
+        hb, _ = self._host_batch(plan)
         self._broadcast(hb)
         logits = self.runner.run(hb)
         items = [s for s in plan.items if s.sample]
-        if all(s.request.plain_greedy for s in items):  # the common case: no per-row work at all
+        if all(s.request.plain_greedy for s in items):
             out = Sampled(logits.argmax(dim=-1).tolist())
         else:
             out = sample(logits, [self._sample_row(s.request) for s in items])
         for s in plan.items:
             s.request.num_computed = s.start + s.n
         now = time.perf_counter()
-        touched = []
         for i, s in enumerate(items):
             req = s.request
-            tok = out.token_ids[i]
-            req.token_ids.append(tok)
+            req.token_ids.append(out.token_ids[i])
             if out.logprobs is not None and req.params.logprobs is not None:
                 req.logprobs.append(out.logprobs[i])
                 req.top_logprobs.append(out.top_logprobs[i])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self.num_generated += 1
-            reason = self._finish_reason(req, tok)
-            if req.stream is not None:
-                if reason == "stop":  # an end token: no text of its own, but what was held back is released
-                    req.stream.delta = ""
-                    req.stream.finish()
-                elif req.stream.push(tok):
-                    reason = "stop"
-                elif reason:
-                    req.stream.finish()
-            if reason:
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
+            self._accept(req, len(req.token_ids) - 1, now)
+        return [s.request for s in items]
+
+    def _launch(self, plan: StepPlan, prev: InFlight | None) -> InFlight:
+        """Start a greedy step on the device; its tokens stay there (and in a placeholder at the end of each
+        request's token_ids) until `_read_back`."""
+        hb, (rows, src) = self._host_batch(plan)
+        patch = (rows, src, prev.tokens) if rows else None  # decode inputs that are the previous step's tokens
+        tokens = self.runner.run(hb, patch).argmax(dim=-1)
+        items = [s for s in plan.items if s.sample]
+        for s in plan.items:
+            s.request.num_computed = s.start + s.n
+        positions = []
+        for i, s in enumerate(items):
+            req = s.request
+            positions.append(len(req.token_ids))
+            req.token_ids.append(-1)
+            req.pending += 1
+            req.sample_row = i
+            req.last_pending = (req.num_output >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len)
+        host, event = tokens, None
+        if tokens.is_cuda:  # copied to pinned memory behind the step; the host waits only when it reads them
+            self._flip ^= 1
+            if self._pinned_tokens[self._flip].numel() < len(items):
+                self._pinned_tokens[self._flip] = torch.empty(len(items), dtype=torch.int64, pin_memory=True)
+            host = self._pinned_tokens[self._flip][:len(items)]
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return InFlight(items, positions, tokens, host, event)
+
+    def _read_back(self, f: InFlight) -> list[Request]:
+        if f.event is not None:
+            f.event.synchronize()
+        now, bs = time.perf_counter(), self.cfg.block_size
+        touched = []
+        for s, pos, tok in zip(f.items, f.positions, f.host.tolist()):
+            req = s.request
+            if req.status is Status.FINISHED:  # aborted, or ended by an earlier token while this step ran
+                continue
+            req.token_ids[pos] = tok
+            req.pending -= 1
+            if len(req.block_hashes) < min(req.num_computed, pos + 1) // bs:  # the blocks the placeholder kept back
+                self.scheduler.register_full_blocks(req, req.num_computed)
+            self._accept(req, pos, now)
             touched.append(req)
         return touched
+
+    def _accept(self, req: Request, pos: int, now: float) -> None:
+        """The token at token_ids[pos] is known: count it, stream its text, end the request if it is the last."""
+        tok = req.last_token_id = req.token_ids[pos]
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.num_generated += 1
+        reason = self._finish_reason(req, tok, pos + 1)
+        if req.stream is not None:
+            if reason == "stop":  # an end token: no text of its own, but what was held back is released
+                req.stream.delta = ""
+                req.stream.finish()
+            elif req.stream.push(tok):
+                reason = "stop"
+            elif reason:
+                req.stream.finish()
+        if reason:
+            del req.token_ids[pos + 1:]  # a placeholder of the step launched meanwhile
+            req.pending = 0
+            self.scheduler.finish(req, reason)
+            self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        if self.requests.pop(req.request_id, None) is not None and not req.plain_greedy:
+            self._host_sampled -= 1
 
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
         suppress = sorted(req.stop_ids) if req.num_output < p.min_tokens else []
         return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress)
 
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
-        if tok in req.stop_ids and req.num_output >= req.params.min_tokens:
+    def _finish_reason(self, req: Request, tok: int, n_tokens: int) -> str | None:
+        """Why the request ends with its first n_tokens tokens (the last is `tok`), if it does."""
+        n_output = n_tokens - req.num_prompt
+        if tok in req.stop_ids and n_output >= req.params.min_tokens:
             return "stop"
-        if req.num_output >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if n_output >= req.params.max_tokens or n_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _host_batch(self, plan: StepPlan) -> HostBatch:
-        """The step's int arrays: decodes (the leading one-token items) with plain ints, prefill chunks with numpy."""
+    def _host_batch(self, plan: StepPlan) -> tuple[HostBatch, tuple[list[int], list[int]]]:
+        """The step's int arrays: decodes (the leading one-token items) with plain ints, prefill chunks with numpy;
+        and the decode rows whose input token is still on the device, with their rows in the previous step's
+        sampled tokens."""
         bs = self.cfg.block_size
         items = plan.items
         nd = 0
         while nd < len(items) and items[nd].n == 1:
             nd += 1
         ids, pos, slots, logits_idx = [], [], [], []
+        patch_rows, patch_src = [], []
         for i, s in enumerate(items[:nd]):
             req, p = s.request, s.start
             ids.append(req.token_ids[p])
+            if req.pending and p >= len(req.token_ids) - req.pending:  # still on the device: patched there
+                patch_rows.append(i)
+                patch_src.append(req.sample_row)
             pos.append(p)
             slots.append(req.blocks[p // bs] * bs + p % bs)
             if s.sample:
@@ -364,8 +461,9 @@ class Engine:
             if s.sample:
                 logits_idx.append(row - 1)
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-        return HostBatch(cat(ids_np), cat(pos_np), cat(slots_np), nd, bt, ctx, lens, cat(k_slots),
-                         np.asarray(logits_idx, dtype=np.int64))
+        hb = HostBatch(cat(ids_np), cat(pos_np), cat(slots_np), nd, bt, ctx, lens, cat(k_slots),
+                       np.asarray(logits_idx, dtype=np.int64))
+        return hb, (patch_rows, patch_src)
 
     def _broadcast(self, hb: HostBatch | None) -> None:
         """Send the step to the replica's other tp ranks (None: tell them to stop)."""

@@ -82,6 +82,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # Paged-decode partitioning (see the module docstring for why these values).
 PARTITION = 256  # tokens per partition up to MAX_PARTITIONS * PARTITION tokens of context
 MAX_PARTITIONS = 64  # bounds the grid, the fp32 workspace and the combine's loop
+# GQA contexts of at most SHORT_CONTEXT tokens are cut into partitions of SHORT_PARTITION instead (0: off): at
+# batch 1 a 384-token context in 256-token partitions is 16 programs for 132 SMs, bound by latency, not by HBM.
+SHORT_PARTITION = 64
+SHORT_CONTEXT = 512
 
 
 def _pow2(n: int) -> int:
@@ -289,11 +293,12 @@ def rope_write_kv_(qkv_NX: torch.Tensor, n_heads: int, n_kv_heads: int, cos_PR: 
 
 # ---- paged decode attention ------------------------------------------------------------------------------------------
 @triton.jit
-def _partition_len(ctx, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr):
+def _partition_len(ctx, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr, SHORT_PARTITION: tl.constexpr,
+                   SHORT_CONTEXT: tl.constexpr):
     # PARTITION tokens up to MAX_PARTITIONS * PARTITION of context, then the smallest multiple of PARTITION that
     # keeps the count at MAX_PARTITIONS. A function of ctx and constants only: the attention and combine kernels
     # agree on it, and it does not depend on the batch.
-    return PARTITION * tl.cdiv(ctx, PARTITION * MAX_PARTITIONS)
+    return tl.where(ctx <= SHORT_CONTEXT, SHORT_PARTITION, PARTITION * tl.cdiv(ctx, PARTITION * MAX_PARTITIONS))
 
 
 @triton.jit
@@ -303,7 +308,7 @@ def _gqa_partition_kernel(
         stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
         qk_scale, QH, D,
         HEAD_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr,
-        BLOCK_QH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        SHORT_PARTITION: tl.constexpr, SHORT_CONTEXT: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1) // HEAD_TILES  # kv head
@@ -311,7 +316,7 @@ def _gqa_partition_kernel(
     part = tl.program_id(2)
 
     ctx = tl.load(ctx_ptr + b)
-    part_len = _partition_len(ctx, PARTITION, MAX_PARTITIONS)
+    part_len = _partition_len(ctx, PARTITION, MAX_PARTITIONS, SHORT_PARTITION, SHORT_CONTEXT)
     start = part * part_len
     if start >= ctx:  # the grid covers the block tables' capacity; this partition is past the context
         return
@@ -365,13 +370,13 @@ def _mla_partition_kernel(
         stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
         qk_scale, H, C, R,
         BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+        SHORT_PARTITION: tl.constexpr, SHORT_CONTEXT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
     part = tl.program_id(2)
 
     ctx = tl.load(ctx_ptr + b)
-    part_len = _partition_len(ctx, PARTITION, MAX_PARTITIONS)
+    part_len = _partition_len(ctx, PARTITION, MAX_PARTITIONS, SHORT_PARTITION, SHORT_CONTEXT)
     start = part * part_len
     if start >= ctx:
         return
@@ -424,12 +429,12 @@ def _mla_partition_kernel(
 def _combine_partitions_kernel(o_part_ptr, lse_ptr, ctx_ptr, out_ptr,
                                stride_pb, stride_ph, stride_pp, stride_lb, stride_lh, stride_ob, stride_oh, DV,
                                PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr,
-                               BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
+                               SHORT_PARTITION: tl.constexpr, SHORT_CONTEXT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
     """out[b, h] = sum_p 2^(lse_p - max) o_p / sum_p 2^(lse_p - max) over the valid partitions of sequence b."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     ctx = tl.load(ctx_ptr + b)
-    n_parts = tl.cdiv(ctx, _partition_len(ctx, PARTITION, MAX_PARTITIONS))  # the partitions that were written
+    n_parts = tl.cdiv(ctx, _partition_len(ctx, PARTITION, MAX_PARTITIONS, SHORT_PARTITION, SHORT_CONTEXT))  # the partitions that were written
 
     lse_row = lse_ptr + b * stride_lb + h * stride_lh
     offs_p = tl.arange(0, BLOCK_P)
@@ -448,9 +453,19 @@ def _combine_partitions_kernel(o_part_ptr, lse_ptr, ctx_ptr, out_ptr,
              mask=mask_d)
 
 
-def _num_partitions(block_tables_BM: torch.Tensor, block_size: int) -> int:
+def _short(gqa: bool) -> tuple[int, int]:
+    """(SHORT_PARTITION, SHORT_CONTEXT) of a kernel: GQA's, or off (MLA)."""
+    return (SHORT_PARTITION, SHORT_CONTEXT) if gqa and SHORT_PARTITION and SHORT_CONTEXT else (PARTITION, 0)
+
+
+def _num_partitions(block_tables_BM: torch.Tensor, block_size: int, gqa: bool) -> int:
     """Partitions in the grid: enough for the block tables' capacity, at most MAX_PARTITIONS (shapes only)."""
-    return max(1, min(MAX_PARTITIONS, triton.cdiv(block_tables_BM.shape[1] * block_size, PARTITION)))
+    capacity = block_tables_BM.shape[1] * block_size
+    n = min(MAX_PARTITIONS, triton.cdiv(capacity, PARTITION))
+    short_partition, short_context = _short(gqa)
+    if short_context:
+        n = max(n, triton.cdiv(min(capacity, short_context), short_partition))
+    return max(1, n)
 
 
 def _check_block_size(block_size: int) -> None:
@@ -459,14 +474,15 @@ def _check_block_size(block_size: int) -> None:
 
 
 def _combine(o_part_BHPD: torch.Tensor, lse_BHP: torch.Tensor, context_lens_B: torch.Tensor,
-             out_BHD: torch.Tensor) -> None:
+             out_BHD: torch.Tensor, gqa: bool) -> None:
     B, H, P, DV = o_part_BHPD.shape
     block_dv = _pow2(DV)
     _combine_partitions_kernel[(B, H)](
         o_part_BHPD, lse_BHP, context_lens_B, out_BHD,
         o_part_BHPD.stride(0), o_part_BHPD.stride(1), o_part_BHPD.stride(2), lse_BHP.stride(0), lse_BHP.stride(1),
         out_BHD.stride(0), out_BHD.stride(1), DV,
-        PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS, BLOCK_P=_pow2(P), BLOCK_DV=block_dv,
+        PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS, SHORT_PARTITION=_short(gqa)[0],
+        SHORT_CONTEXT=_short(gqa)[1], BLOCK_P=_pow2(P), BLOCK_DV=block_dv,
         num_warps=4 if block_dv >= 512 else (2 if block_dv >= 128 else 1))
 
 
@@ -516,7 +532,7 @@ def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tens
     head_tiles = triton.cdiv(QH, block_qh)
     block_d = max(16, _pow2(D))
     cfg = _gqa_config(block_d, k_SGD.element_size())
-    n_parts = _num_partitions(block_tables_BM, block_size)
+    n_parts = _num_partitions(block_tables_BM, block_size, gqa=True)
     direct = n_parts == 1
     if direct:
         o_part, lse = out_BHD, out_BHD  # lse unused
@@ -533,9 +549,9 @@ def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tens
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, QH, D,
         HEAD_TILES=head_tiles, BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        BLOCK_QH=block_qh, BLOCK_D=block_d, DIRECT=direct, DOT_PREC=_dot_precision(q_BHD.dtype), **cfg)
+        SHORT_PARTITION=_short(True)[0], SHORT_CONTEXT=_short(True)[1], BLOCK_QH=block_qh, BLOCK_D=block_d, DIRECT=direct, DOT_PREC=_dot_precision(q_BHD.dtype), **cfg)
     if not direct:
-        _combine(o_part, lse, context_lens_B, out_BHD)
+        _combine(o_part, lse, context_lens_B, out_BHD, gqa=True)
     return out_BHD
 
 
@@ -556,7 +572,7 @@ def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torc
     block_c = max(16, _pow2(C))
     block_r = max(16, _pow2(R))
     cfg = _mla_config(H, block_c, c_SX.element_size())
-    n_parts = _num_partitions(block_tables_BM, block_size)
+    n_parts = _num_partitions(block_tables_BM, block_size, gqa=False)
     direct = n_parts == 1
     if direct:
         o_part, lse = out_BHC, out_BHC
@@ -573,7 +589,7 @@ def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torc
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, H, C, R,
         BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        BLOCK_C=block_c, BLOCK_R=block_r, DIRECT=direct, DOT_PREC=_dot_precision(q_lat_BHC.dtype), **cfg)
+        SHORT_PARTITION=_short(False)[0], SHORT_CONTEXT=_short(False)[1], BLOCK_C=block_c, BLOCK_R=block_r, DIRECT=direct, DOT_PREC=_dot_precision(q_lat_BHC.dtype), **cfg)
     if not direct:
-        _combine(o_part, lse, context_lens_B, out_BHC)
+        _combine(o_part, lse, context_lens_B, out_BHC, gqa=False)
     return out_BHC

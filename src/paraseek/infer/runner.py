@@ -274,8 +274,9 @@ class ModelRunner:
             "bt": {m: torch.zeros((bmax, m), dtype=torch.int32, device=dev) for m in widths},
         }
         # Pinned host twins of the inputs: the copies before a replay are asynchronous (pageable ones stall the host).
-        self._pinned = {k: (v.cpu().pin_memory() if torch.is_tensor(v) else {m: t.cpu().pin_memory() for m, t in v.items()})
-                        for k, v in self._static.items() if k != "idx"}
+        self._pinned = [{k: (v.cpu().pin_memory() if torch.is_tensor(v) else {m: t.cpu().pin_memory() for m, t in v.items()})
+                         for k, v in self._static.items() if k != "idx"} for _ in range(2)]
+        self._flip = 0
         pool = torch.cuda.graph_pool_handle()
         self._logits = torch.empty((bmax, self.vocab_size), dtype=self.dtype, device=dev)
         empty32 = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -294,13 +295,19 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     @torch.no_grad()
-    def run(self, hb: HostBatch) -> torch.Tensor:
+    def run(self, hb: HostBatch, patch=None) -> torch.Tensor:
+        """The step's logits. `patch` = (rows, src, tokens): input ids[rows] are tokens[src], a previous step's
+        output still on the device (the engine's overlapped steps)."""
         key = self.graph_key(hb)
         if key is None:
-            return self.forward(hb.to_device(self.device))
+            b = hb.to_device(self.device)
+            if patch is not None:
+                _patch_ids(b.input_ids, patch)
+            return self.forward(b)
         bsz, m = key
         n = hb.n_decode
-        s, h = self._static, self._pinned
+        self._flip ^= 1  # two sets of pinned twins: the next step fills one while the other may still be copying
+        s, h = self._static, self._pinned[self._flip]
         # Fill the pinned twins (padding rows: token 0 at position 0 writing into the padding block, a context of
         # one token), then copy the whole captured batch asynchronously.
         for name, values, pad in (("ids", hb.ids, 0), ("pos", hb.pos, 0), ("slots", hb.slots, 0),
@@ -313,9 +320,18 @@ class ModelRunner:
         bt[:bsz] = 0
         bt[:n, :hb.block_tables.shape[1]] = hb.block_tables
         s["bt"][m][:bsz].copy_(h["bt"][m][:bsz], non_blocking=True)
+        if patch is not None:
+            _patch_ids(s["ids"], patch)
         g, out = self.graphs[key]
         g.replay()
         return out[:n]
+
+
+def _patch_ids(ids_N: torch.Tensor, patch) -> None:
+    rows, src, tokens = patch
+    dev = ids_N.device
+    ids_N.index_copy_(0, torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
+                      tokens.index_select(0, torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)))
 
 
 def _fuse(linears: list[nn.Linear], owner: nn.Module, name: str) -> None:

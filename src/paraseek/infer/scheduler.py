@@ -49,6 +49,13 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stream: object | None = None  # engine.TextStream when the text is kept as it grows
     plain_greedy: bool = False  # greedy with no penalties, log-probabilities or min_tokens: a bare argmax
+    # Overlapped steps (engine.py): a token sampled by the step still on the device sits at the tail of token_ids
+    # as a placeholder until it is read back; `pending` counts them (0, 1 or 2), `sample_row` is the row of that
+    # step's sampled tokens the newest one comes from, and `last_pending` says it will be the request's last.
+    pending: int = 0
+    sample_row: int = -1
+    last_pending: bool = False
+    last_token_id: int = -1  # the newest token read back: what a step's caller delivers
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -116,7 +123,7 @@ class Scheduler:
 
         # 1. Running requests: decodes (one token) before unfinished prefills, each in admission order.
         running = list(self.running)
-        order = [r for r in running if len(r.token_ids) - r.num_computed == 1]
+        order = [r for r in running if len(r.token_ids) - r.num_computed == 1 and not r.last_pending]
         order += [r for r in running if len(r.token_ids) - r.num_computed > 1]
         for req in order:
             if budget == 0:
@@ -168,18 +175,20 @@ class Scheduler:
 
         items = decodes + prefills
         for s in items:
-            if len(s.request.block_hashes) < (s.start + s.n) // bs:
-                self._register_full_blocks(s.request, s.start + s.n)
+            if len(s.request.block_hashes) < (s.start + s.n) // bs:  # checked here: a call per item costs
+                self.register_full_blocks(s.request, s.start + s.n)
         return StepPlan(items, preempted)
 
     def _blocks_needed(self, req: Request, upto: int) -> int:
         bs = self.pool.block_size
         return max(0, -(-upto // bs) - len(req.blocks))
 
-    def _register_full_blocks(self, req: Request, upto: int) -> None:
+    def register_full_blocks(self, req: Request, upto: int) -> None:
         """Blocks that this step fills become findable by later prompts (their K/V are written in this step's
-        forward, which runs before any later step's)."""
+        forward, which runs before any later step's). A block that holds a placeholder waits until it is read back
+        (the engine registers it then)."""
         bs = self.pool.block_size
+        upto = min(upto, len(req.token_ids) - req.pending)
         while len(req.block_hashes) < upto // bs:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None

@@ -429,6 +429,8 @@ class _Renderer:
                 choices.append({"index": i, "text": echo + self.text[i],
                                 "logprobs": self._logprobs(self.lps[i], len(echo)) if want_lp else None,
                                 "finish_reason": self.finish[i]})
+                if self.state.tokenizer is None:
+                    choices[-1]["token_ids"] = self.tokens[i]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.state.served_name, "choices": choices, "usage": self._usage()}
 
@@ -457,10 +459,13 @@ class _Renderer:
         if self.body.echo and not self.echoed[i]:
             c = (self.prompts[self.prompt_of[i]][1] or "") + c
             self.echoed[i] = True
-        if not c and finish is None and not lp:
+        raw = self.state.tokenizer is None  # no text to send: each token goes out as its id (vLLM's token_ids)
+        if not c and finish is None and not lp and not raw:
             return None
-        return {**head, "choices": [{"index": i, "text": c, "logprobs": self._logprobs(lp) if lp else None,
-                                     "finish_reason": finish}]}
+        choice = {"index": i, "text": c, "logprobs": self._logprobs(lp) if lp else None, "finish_reason": finish}
+        if raw:
+            choice["token_ids"] = list(d.token_ids)
+        return {**head, "choices": [choice]}
 
     def usage_chunk(self) -> dict | None:
         opts = self.body.stream_options

@@ -141,7 +141,7 @@ class EngineLoop:
         if emit is None:
             return
         n = len(req.logprobs)
-        emit(Delta([req.token_ids[-1]], req.stream.delta if req.stream is not None else "", finished,
+        emit(Delta([req.last_token_id], req.stream.delta if req.stream is not None else "", finished,
                    req.finish_reason, req.logprobs[n - 1:] if n and req.params.logprobs is not None else [],
                    req.top_logprobs[n - 1:] if n and req.params.logprobs is not None else [], timing))
 
