@@ -4,8 +4,10 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
-Groups: tests, llama8b, qwen, v2lite, stress, hf (HF generate on the same requests, 8B and 1.5B), hfv2 (HF on
-V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under `paraseek bench-serve`, then SIGTERM).
+Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, stress, hf (HF generate
+on the same requests, 8B and 1.5B), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
+`paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), profile
+(scripts/gpu/decode_profile.py variants).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
 """
@@ -89,6 +91,25 @@ def group_v2lite(out: Path, anchors: str) -> list[dict]:
     return [r]
 
 
+def group_qwen_wide(out: Path, anchors: str) -> list[dict]:
+    """The same 1,000 requests with room for all of them at once (vLLM's offline defaults on an 80+ GiB GPU: 1,024
+    sequences, 16,384 batched tokens)."""
+    return [bench(out, "qwen-wide", QWEN, "--workloads", "throughput", "--max-num-seqs", "1024",
+                  "--max-batched-tokens", "16384")]
+
+
+def group_profile(out: Path, anchors: str) -> list[dict]:
+    """scripts/gpu/decode_profile.py on the 8B shape: batch 1 (128 + 256 tokens) and batch 256 (256 + 256 tokens),
+    with the GQA kernel's short-context partitions off, of 64 and of 128 tokens."""
+    lines = []
+    for batch, inp, shorts in ((1, 128, ("0,0", "64,512", "128,512")), (256, 256, ("0,0", "64,512", "128,512"))):
+        for short in shorts:
+            rc, text = sh([PY, "scripts/gpu/decode_profile.py", LLAMA, "--batch", str(batch), "--input", str(inp),
+                           "--short", short], 120)
+            lines += [l for l in text.splitlines() if l.startswith("PROFILE")] or [f"PROFILE rc {rc}"]
+    return [{"name": "profile", "rc": 0, "lines": lines}]
+
+
 def group_stress(out: Path, anchors: str) -> list[dict]:
     """The seed's failure: R1-Distill-Qwen-1.5B, 512 concurrent requests of 2,048-token prompts."""
     # At 25% of the GPU (35 GiB) the pool holds fewer tokens than 512 x 2,176: the scheduler must preempt.
@@ -156,6 +177,9 @@ def group_serve(out: Path, anchors: str) -> list[dict]:
     log.close()
     results.append({"name": "serve SIGTERM", "rc": 0 if code == 0 else 1, "summary": f"exit code {code}"})
     results.append({"name": "serve runs", "rc": 0, "runs": runs, "summary": "; ".join(_serve_row(r) for r in runs)})
+    # The engine offline at the same concurrency and lengths: what the server's throughput is compared with.
+    results.append(bench(out, "offline-c32", LLAMA, "--workloads", "throughput", "--num-requests", "128",
+                         "--input-len", "512", "--output-len", "128", "--max-num-seqs", "32"))
     return results
 
 

@@ -64,8 +64,9 @@ def test_bf16_graph_decode_logits_close_to_reference(cfg):
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.step()  # all prefills
+    engine.flush()  # their first tokens read back: the decode inputs below are on the host
     plan = engine.scheduler.schedule()
-    hb = engine._host_batch(plan)
+    hb, _ = engine._host_batch(plan)
     assert engine.runner.graph_key(hb) is not None
     got = engine.runner.run(hb).float().clone()
     ops.use_kernels(False)

@@ -303,12 +303,17 @@ class Engine:
         token is then delivered one step after it was computed, and a request that ends on a stop token has run one
         extra step whose token is dropped. Anything else (sampling, penalties, log-probabilities, tp > 1) reads
         each step back before the next."""
-        prev, self._in_flight = self._in_flight, None
         if self._host_sampled or self.tp > 1:
-            return (self._read_back(prev) if prev else []) + self._step_synchronous()
+            return self.flush() + self._step_synchronous()
+        prev, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
         if plan.items:
             self._in_flight = self._launch(plan, prev)
+        return self._read_back(prev) if prev else []
+
+    def flush(self) -> list[Request]:
+        """Read back the step still on the device, if any: its tokens are delivered (returned) now."""
+        prev, self._in_flight = self._in_flight, None
         return self._read_back(prev) if prev else []
 
     def _step_synchronous(self) -> list[Request]:

@@ -82,7 +82,7 @@ class HostBatch:
 
     def to_device(self, device) -> StepBatch:
         def t(x, dtype=torch.int64):
-            return torch.as_tensor(np.asarray(x), dtype=dtype).to(device, non_blocking=True)
+            return _to_device(torch.as_tensor(np.asarray(x), dtype=dtype), device)
 
         cu_q = np.concatenate([[0], np.cumsum([q for q, _ in self.lens], dtype=np.int64)])
         cu_k = np.concatenate([[0], np.cumsum([k for _, k in self.lens], dtype=np.int64)])
@@ -327,11 +327,20 @@ class ModelRunner:
         return out[:n]
 
 
+def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the GPU: a copy from pageable memory may wait for the work
+    already queued on the stream (it would undo the overlapped steps), one from pinned memory does not (torch's
+    pinned-memory cache keeps the buffer until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return x
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def _patch_ids(ids_N: torch.Tensor, patch) -> None:
     rows, src, tokens = patch
     dev = ids_N.device
-    ids_N.index_copy_(0, torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
-                      tokens.index_select(0, torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)))
+    ids_N.index_copy_(0, _to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                      tokens.index_select(0, _to_device(torch.tensor(src, dtype=torch.int64), dev)))
 
 
 def _fuse(linears: list[nn.Linear], owner: nn.Module, name: str) -> None:
