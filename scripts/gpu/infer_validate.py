@@ -5,7 +5,7 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
 Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, stress, hf (HF generate
-on the same requests, 8B and 1.5B), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
+on the same requests, 8B and 1.5B; hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
 `paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), profile
 (scripts/gpu/decode_profile.py variants).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
@@ -125,9 +125,16 @@ def hf(out: Path, name: str, *flags: str, timeout: int = 150) -> dict:
     return r
 
 
+def group_hf8b(out: Path, anchors: str) -> list[dict]:
+    return [hf(out, "hf-llama8b", "--preset", LLAMA, "--batch", "64", "--requests", "64")]
+
+
+def group_hfqwen(out: Path, anchors: str) -> list[dict]:
+    return [hf(out, "hf-qwen", "--preset", QWEN, "--batch", "64", "--requests", "64")]
+
+
 def group_hf(out: Path, anchors: str) -> list[dict]:
-    return [hf(out, "hf-llama8b", "--preset", LLAMA, "--batch", "64", "--requests", "64"),
-            hf(out, "hf-qwen", "--preset", QWEN, "--batch", "64", "--requests", "64")]
+    return group_hf8b(out, anchors) + group_hfqwen(out, anchors)
 
 
 def group_hfv2(out: Path, anchors: str) -> list[dict]:
