@@ -10,7 +10,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from paraseek.errors import UserError
@@ -373,6 +372,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     cfg = engine_config(ns)
     defaults, why = generation_defaults(src)
     base = sampling_params(ns, defaults)
+    given = [f"{k.replace('_', ' ')} {getattr(ns, k)}" for k in ("temperature", "top_p", "top_k") if getattr(ns, k) is not None]
+    if given:  # the flags win over the folder's defaults: say what runs
+        why = ("greedy" if base.greedy else ", ".join(given)) + " (flags)"
     prompts = read_prompts(ns, tokenizer, src.args.vocab_size)
     params = []
     max_len = cfg.context_length(src.args)
@@ -393,7 +395,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     pl = place(ns, device)
     say = print if pl.rank == 0 else (lambda *a, **k: None)
     say(f"generate: {src.spec} ({src.kind}), tokenizer: {src.tokenizer_why}; sampling: {why}; "
-        f"{len(prompts)} prompts, tp {ns.tp} x dp {ns.dp} on {device}", file=sys.stderr, flush=True)
+        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp} x dp {ns.dp} on {device}",
+        file=sys.stderr, flush=True)
     engine = build_engine(ns, src, pl)
     if pl.rank == 0:
         print(engine.report.line(), file=sys.stderr, flush=True)

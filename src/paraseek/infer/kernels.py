@@ -45,6 +45,13 @@ the online softmax (Milakov & Gimelshein 2018: a running max and sum, rescaling 
   cache twice per 128 heads and runs at 0.45 TB/s of distinct cache bytes (B=64 x 2K, 334 us). Partitions of 512
   were 4-9% faster at large batch but 1.3x (GQA) and 1.5x (MLA) slower at B=1 x 4K; partitions of 128 were 3-17%
   slower at large batch and faster only for MLA at B=1 x 4K (25 us): 256 is the compromise.
+
+  Short GQA contexts (at most SHORT_CONTEXT = 512 tokens) use partitions of SHORT_PARTITION = 64 tokens instead,
+  still a function of ctx alone. Measured on the 8B shape (32 layers, H=32 G=8 D=128), CUDA-graph replays
+  (scripts/gpu/decode_profile.py, 2026-12-01): batch 1 at 128 + 256 tokens 4.67 -> 4.52 ms per step (the kernel
+  9.3 us a layer at 256-token partitions: 16 programs, latency-bound); batch 256 at 256 + 256 tokens 11.8 -> 12.9
+  ms (+9%: partials and the combine pass for contexts that were one partition). Partitions of 128 gave 4.57 and
+  12.1 ms. Batch-1 latency is the target this serves (the inference issue's 4.7 ms); long contexts are unchanged.
 """
 
 from __future__ import annotations
