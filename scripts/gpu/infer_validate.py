@@ -166,10 +166,13 @@ def group_serve(out: Path, anchors: str) -> list[dict]:
     runs = []
     if ready:
         common = ["--input-len", "512", "--output-len", "128", "--json", "--model", "llama8b"]
-        for flags in (["--max-concurrency", "1", "--num-prompts", "8"],
-                      ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128",
+        # A seed per invocation (each sweep point draws its own prompts too): no run finds another's prompts in
+        # the server's prefix cache; each run reports the hit rate it got.
+        for flags in (["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1"],
+                      ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128", "--seed", "2",
                        "--plot", str(out / "serve-concurrency.png")],
-                      ["--sweep", "8,32", "--num-prompts", "128", "--slo-ttft-ms", "250", "--slo-tpot-ms", "50"]):
+                      ["--sweep", "8,32", "--num-prompts", "128", "--slo-ttft-ms", "250", "--slo-tpot-ms", "50",
+                       "--seed", "3"]):
             rc, text = sh([PY, "-m", "paraseek", "bench-serve", url, *common, *flags], 240)
             try:
                 runs += json.loads(text[text.find("{"):text.rfind("}") + 1])["runs"]
@@ -194,7 +197,8 @@ def _serve_row(r: dict) -> str:
     t = r.get("ttft_ms", {})
     p = r.get("tpot_ms", {})
     return (f"c={r.get('max_concurrency')} rate={r.get('request_rate')}: {r.get('output_throughput', 0):,.0f} out tok/s, "
-            f"TTFT p50 {t.get('p50') or 0:.0f} p99 {t.get('p99') or 0:.0f} ms, TPOT p50 {p.get('p50') or 0:.1f} ms")
+            f"TTFT p50 {t.get('p50') or 0:.0f} p99 {t.get('p99') or 0:.0f} ms, TPOT p50 {p.get('p50') or 0:.1f} ms, "
+            f"prefix hits {r.get('prefix_cache_hit_rate', float('nan')):.0%}")
 
 
 def group_hfstatic(out: Path, anchors: str) -> list[dict]:

@@ -63,6 +63,22 @@ def test_chat_sweep_over_concurrency_with_a_plot(server, capsys, tmp_path):
     assert matplotlib.image.imread(png).shape[:2] == (480, 1320)  # 11 x 4 inches at 120 dpi
 
 
+def test_each_sweep_point_sends_new_prompts(server, capsys, tmp_path):
+    """The same prompts again would be prefix-cache hits: each point draws its own, and the run says what the
+    server's cache gave it; a prompts file is sent again, and its second pass hits."""
+    # a seed of its own: the other tests' prompts (the default seed) are in the shared server's cache
+    doc = bench(capsys, server.url, "--num-prompts", "4", "--input-len", "40", "--output-len", "2",
+                "--max-concurrency", "2", "--sweep", "1,2", "--seed", "101")
+    assert [r["prefix_cache_hit_rate"] for r in doc["runs"]] == [0.0, 0.0]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt_token_ids": [3 + (i * 7 + j) % 90 for j in range(40)]}) + "\n"
+                         for i in range(3)))
+    doc = bench(capsys, server.url, "--prompts", str(f), "--output-len", "2", "--max-concurrency", "1",
+                "--sweep", "1,1")
+    first, second = (r["prefix_cache_hit_rate"] for r in doc["runs"])
+    assert second == 1.0 and first < second  # 2 full blocks of each prompt, all cached by the first pass
+
+
 def test_prompts_file(server, capsys, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in [{"prompt": "In the beginning", "max_tokens": 5},

@@ -79,6 +79,18 @@ def test_user_mistakes_exit_2_with_one_line(argv, message):
     assert r.stderr.count("\n") == 1 and message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_save_does_not_replace_a_profile_unless_asked(tmp_path):
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"gpu_name": "x", "calibration": {"matmul_tflops": 1.0}}))
+    r = doctor("--quick", "--save", str(prof))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "exists; pass --overwrite to replace it and its calibration" in r.stderr
+    assert json.loads(prof.read_text())["gpu_name"] == "x"  # untouched
+    r = doctor("--load", str(FIXTURES / "a100_sxm_8x_one_throttled.json"), "--save", str(prof), "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(prof.read_text())["gpu_name"] == "NVIDIA A100-SXM4-80GB"
+
+
 def test_load_rejects_other_json(tmp_path):
     f = tmp_path / "x.json"
     f.write_text('{"a": 1}')

@@ -2,8 +2,10 @@
 client sees.
 
 Requests arrive as a Poisson process at --request-rate (exponential gaps, seeded; `inf` sends them all at once),
-optionally capped at --max-concurrency in flight; --sweep runs the same requests at each rate (or concurrency) in
-turn. Prompts are random token ids for completions (the server takes `prompt` as a list of ints, so no tokenizer is
+optionally capped at --max-concurrency in flight; --sweep runs each rate (or concurrency) in turn, each with its
+own random prompts drawn from the seed (the same prompts again would be prefix-cache hits on the server; a
+--prompts file is sent again at each point). Against a paraseek server each run also reports the prefix-cache hit
+rate its requests got (/metrics). Prompts are random token ids for completions (the server takes `prompt` as a list of ints, so no tokenizer is
 needed here) or random words for chat, or rows of --prompts FILE.jsonl; outputs are forced to their length with
 ignore_eos + max_tokens. Every request streams, and per request we time:
 
@@ -167,6 +169,24 @@ async def _send(client, url: str, model: str, endpoint: str, job: Job, headers: 
     return res
 
 
+def _prefix_counters(url: str, headers: dict) -> tuple[float, float] | None:
+    """(prefix-cache hits, queries) from a paraseek server's /metrics; None from another server."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("paraseek_prefix_cache_hits_total", "paraseek_prefix_cache_queries_total"):
+            values[name] = float(value)
+    if len(values) < 2:
+        return None
+    return values["paraseek_prefix_cache_hits_total"], values["paraseek_prefix_cache_queries_total"]
+
+
 def _has_text(choice: dict) -> bool:
     """A chunk that carries output: text, or the token ids of a server without a tokenizer."""
     if choice.get("token_ids"):
@@ -253,7 +273,9 @@ def _print(doc: dict[str, Any]) -> None:
               f"(failed: {failed})")
         print(f"    {run['request_throughput']:.2f} requests/s, {run['output_throughput']:,.1f} output tokens/s, "
               f"{run['total_token_throughput']:,.1f} total tokens/s"
-              + (f", goodput {run['goodput']:.2f} requests/s" if run["goodput"] is not None else ""))
+              + (f", goodput {run['goodput']:.2f} requests/s" if run["goodput"] is not None else "")
+              + (f", prefix-cache hits {run['prefix_cache_hit_rate']:.0%} of prompt blocks"
+                 if "prefix_cache_hit_rate" in run else ""))
         for name in ("ttft", "tpot", "itl", "e2e"):
             p = run[f"{name}_ms"]
             if p["mean"] is not None:
@@ -344,7 +366,12 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
                 raise UserError(f"--sweep concurrencies must be >= 1, got {ns.sweep!r}")
             points = [(rate, c) for c in cs]
     rng = random.Random(ns.seed)
-    jobs = make_jobs(ns, rng)  # before any request: bad input costs nothing
+    # Each point its own random prompts (the same ones again would be prefix-cache hits on the server); a
+    # --prompts file is the user's data, sent again at each point. All drawn before any request: bad input costs
+    # nothing.
+    point_jobs = [make_jobs(ns, rng) for _ in (points if not ns.prompts else points[:1])]
+    probe_job = make_jobs(ns, rng)[0]
+    jobs = point_jobs[0]
     check_plot(ns.plot)
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     served = _served_model(url, headers, min(ns.timeout, 30))  # also the one-line check that the server answers
@@ -355,13 +382,18 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
                            "slo_ttft_ms": ns.slo_ttft_ms, "slo_tpot_ms": ns.slo_tpot_ms, "runs": []}
     # One untimed request first, as vLLM's bench does: it warms the server up, and a request the server refuses
     # (a wrong --model, a prompt too long for it) is one line here instead of N failures.
-    probe = asyncio.run(run_once(url, model, ns.endpoint, [Job(jobs[0].prompt, min(jobs[0].max_tokens, 4))],
+    probe = asyncio.run(run_once(url, model, ns.endpoint, [Job(probe_job.prompt, min(probe_job.max_tokens, 4))],
                                  math.inf, None, headers, ns.seed, ns.timeout))[0][0]
     if not probe.ok:
         raise UserError(f"the first request failed ({probe.status}{': ' + probe.detail if probe.detail else ''})")
-    for r, c in points:
+    for i, (r, c) in enumerate(points):
+        jobs = point_jobs[min(i, len(point_jobs) - 1)]
+        before = _prefix_counters(url, headers)
         results, wall = asyncio.run(run_once(url, model, ns.endpoint, jobs, r, c, headers, ns.seed, ns.timeout))
         doc["runs"].append(summarize(results, wall, r, c, ns.slo_ttft_ms, ns.slo_tpot_ms))
+        after = _prefix_counters(url, headers)
+        if before and after and after[1] > before[1]:  # a paraseek server: how much of the prefill it skipped
+            doc["runs"][-1]["prefix_cache_hit_rate"] = (after[0] - before[0]) / (after[1] - before[1])
         if not ns.json:
             print(f"bench-serve: {doc['runs'][-1]['completed']}/{len(jobs)} at rate {r}"
                   + (f", concurrency {c}" if c else ""), file=sys.stderr, flush=True)

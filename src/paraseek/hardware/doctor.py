@@ -38,7 +38,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document (gpus, topology, measurements, "
                    "findings, nodes)")
     p.add_argument("--save", metavar="PROFILE.json", help="write the hardware profile the planner reads "
-                   "(docs/doctor.md)")
+                   "(docs/doctor.md); an existing file is replaced only with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="let --save replace an existing profile (and the "
+                   "calibration `bench --calibrate` added to it)")
     p.add_argument("--load", metavar="REPORT.json", help="no hardware: run the rules on a saved --json document")
     p.add_argument("--sizes", help="collective message sizes, e.g. 1M,16M,256M,1G,4G (default that with NCCL; "
                    "64K,1M,16M with gloo)")
@@ -52,6 +54,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--fail-on", choices=("never", "error", "warning"), default="never",
                    help="exit 1 if a finding of this severity or worse is found (default never)")
     p.set_defaults(func=run_doctor)
+
+
+def _has_calibration(path: Path) -> bool:
+    try:
+        return "calibration" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _collectives() -> tuple[str, ...]:
@@ -83,6 +92,10 @@ def run_doctor(ns: argparse.Namespace) -> int:
 
     if ns.save and not Path(ns.save).resolve().parent.is_dir():
         raise UserError(f"--save {ns.save}: the folder {Path(ns.save).parent} does not exist")
+    if ns.save and Path(ns.save).exists() and not ns.overwrite:
+        held = " and its calibration" if _has_calibration(Path(ns.save)) else ""
+        raise UserError(f"--save {ns.save}: the file exists; pass --overwrite to replace it{held} (or save "
+                        f"elsewhere)")
     cfg = _config(ns)
     if ns.load:
         doc = load_document(ns.load)
