@@ -17,10 +17,16 @@ class UserError(Exception):
 def read_jsonl_objects(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-empty line of a user's .jsonl file; a missing file, a line that is not
     JSON or not an object is one UserError naming the file and line. `what` says what an object should hold."""
+    for n, row, _ in read_jsonl_rows(path, what):
+        yield n, row
+
+
+def read_jsonl_rows(path: str | Path, what: str) -> Iterator[tuple[int, dict, int]]:
+    """read_jsonl_objects with each line's size in bytes (for progress over a large file)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -28,9 +34,11 @@ def read_jsonl_objects(path: str | Path, what: str) -> Iterator[tuple[int, dict]
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            except UnicodeDecodeError:
+                raise UserError(f"{path}:{n}: not UTF-8 text") from None
             if not isinstance(row, dict):
                 raise UserError(f"{path}:{n}: expected an object with {what}")
-            yield n, row
+            yield n, row, len(line)
 
 
 def parse_range(spec: str, what: str) -> tuple[int, int]:

@@ -36,13 +36,14 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, read_jsonl_rows
 from paraseek.models.loss import IGNORE_INDEX
 from paraseek.seeding import derive_seed
 from paraseek.train.chat import ASSISTANT, LAST, ChatEncoder, row_kind
@@ -424,23 +425,32 @@ def cached_tokens(files: list[Path], tok, tok_file: Path, eos: int) -> np.ndarra
     """The corpus' token stream (uint32, memory-mapped), tokenizing it first when no cache holds it.
 
     Several ranks of one node start here together: an exclusive flock lets one tokenize while the others wait and
-    then read its file. The file appears only complete (tmp + os.replace), so a crash never leaves half a cache, and
-    on file systems where flock does not lock across nodes each node tokenizes the same stream and the last rename
-    wins harmlessly."""
+    then read its file (build_once). On file systems where flock does not lock across nodes each node tokenizes the
+    same stream and the last rename wins harmlessly."""
     path = cache_path(files, tok_file, eos)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            try:
-                tokenize_into(tmp, files, tok, eos)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+    build_once(path, lambda tmp: tokenize_into(tmp, files, tok, eos))
     if path.stat().st_size == 0:  # np.memmap refuses empty files
         return np.zeros(0, dtype="<u4")
     return np.memmap(path, dtype="<u4", mode="r")
+
+
+def build_once(path: Path, build) -> None:
+    """Make `path` (a file or a folder) with build(tmp) unless it exists: under an exclusive flock, so that the
+    ranks of a node build it once, and whole (tmp + os.replace), so that a crash never leaves half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            build(tmp)
+            os.replace(tmp, path)
+        finally:
+            if tmp.is_dir():
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink(missing_ok=True)
 
 
 def tokenize_into(out: Path, files: list[Path], tok, eos: int, batch_chars: int = 8 << 20) -> None:
@@ -482,23 +492,14 @@ def chat_cache_path(files: list[Path], tok) -> Path:
 
 def cached_chat(files: list[Path], tok) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     """(token ids uint32, roles uint8 (train/chat.py), document offsets int64 [n + 1], {"rows", "unlocated"}) of a
-    chat corpus, rendering and tokenizing it first when no cache holds it: a folder written whole (tmp + os.replace)
-    under the same lock as cached_tokens."""
+    chat corpus, rendering and tokenizing it first when no cache holds it: a folder made by build_once."""
     path = chat_cache_path(files, tok)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            try:
-                tmp.mkdir()
-                render_into(tmp, files, ChatEncoder(tok))
-                os.replace(tmp, path)
-            finally:
-                if tmp.exists():
-                    for f in tmp.iterdir():
-                        f.unlink()
-                    tmp.rmdir()
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir()
+        render_into(tmp, files, ChatEncoder(tok))
+
+    build_once(path, build)
     meta = json.loads((path / "meta.json").read_text())
 
     def load(name: str, dtype: str) -> np.ndarray:
@@ -589,18 +590,10 @@ def iter_chat_rows(files: list[Path]) -> Iterator[tuple[dict, str, int]]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[dict, str, int]]:
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(doc, dict):
-                raise UserError(f'{path}:{lineno}: not a JSON object (each line must be an object with a "text" '
-                                f'string, or "messages", or "prompt" and "completion")')
-            yield doc, f"{path}:{lineno}", len(line)
+    """(object, "FILE:LINE", bytes) per line of a training .jsonl file."""
+    what = 'a "text" string, or "messages", or "prompt" and "completion"'
+    for n, row, nbytes in read_jsonl_rows(path, what):
+        yield row, f"{path}:{n}", nbytes
 
 
 def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[dict, int]]:
