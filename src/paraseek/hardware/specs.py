@@ -23,22 +23,23 @@ class GPUSpec:
     pcie_gbps: float  # PCIe bandwidth per direction, GB/s
     host_memory_gib: float  # typical host memory of a node of these GPUs (for offload planning)
     has_bf16: bool = True
+    has_fp8: bool = False  # float8 tensor cores (compute capability 8.9+: Ada, Hopper): --fp8 runs
 
 
 GPU_SPECS: dict[str, GPUSpec] = {
     s.name: s
     for s in [
-        GPUSpec("H100", 79.6, 989.0, 989.0, 3350, 450, 64, 2048),  # H100 SXM5, NVLink4 18 links
-        GPUSpec("H100-PCIe", 79.6, 756.0, 756.0, 2000, 0, 64, 1024),
-        GPUSpec("H200", 140.4, 989.0, 989.0, 4800, 450, 64, 2048),
-        GPUSpec("H800", 79.6, 989.0, 989.0, 3350, 200, 64, 2048),  # export variant: NVLink 400 GB/s bidirectional
-        GPUSpec("H20", 95.6, 148.0, 148.0, 4000, 450, 64, 2048),
+        GPUSpec("H100", 79.6, 989.0, 989.0, 3350, 450, 64, 2048, has_fp8=True),  # H100 SXM5, NVLink4 18 links
+        GPUSpec("H100-PCIe", 79.6, 756.0, 756.0, 2000, 0, 64, 1024, has_fp8=True),
+        GPUSpec("H200", 140.4, 989.0, 989.0, 4800, 450, 64, 2048, has_fp8=True),
+        GPUSpec("H800", 79.6, 989.0, 989.0, 3350, 200, 64, 2048, has_fp8=True),  # export variant: NVLink 400 GB/s bidirectional
+        GPUSpec("H20", 95.6, 148.0, 148.0, 4000, 450, 64, 2048, has_fp8=True),
         GPUSpec("A100-40GB", 39.4, 312.0, 312.0, 1555, 300, 32, 1024),
         # DGX A100 640GB: 8 x A100-80GB with 2 TB of system memory (the 320GB model, of 40GB cards: 1 TB)
         GPUSpec("A100-80GB", 79.1, 312.0, 312.0, 2039, 300, 32, 2048),
         GPUSpec("A800", 79.1, 312.0, 312.0, 2039, 200, 32, 1024),
-        GPUSpec("L40S", 44.4, 362.0, 362.0, 864, 0, 32, 512),
-        GPUSpec("RTX4090", 23.6, 165.0, 165.0, 1008, 0, 32, 256),  # 4th-gen tensor cores, fp32 accumulate
+        GPUSpec("L40S", 44.4, 362.0, 362.0, 864, 0, 32, 512, has_fp8=True),
+        GPUSpec("RTX4090", 23.6, 165.0, 165.0, 1008, 0, 32, 256, has_fp8=True),  # 4th-gen tensor cores, fp32 accumulate
         # No bf16 tensor cores (sm70 / sm75): fp16 compute with dynamic loss scaling; "bf16_tflops" is the fp16 rate.
         GPUSpec("V100-32GB", 31.7, 125.0, 125.0, 900, 150, 16, 512, has_bf16=False),  # SXM2, NVLink2 6 links
         GPUSpec("V100-16GB", 15.8, 125.0, 125.0, 900, 150, 16, 512, has_bf16=False),

@@ -5,6 +5,8 @@ part of the plan -- TorchTitan's order, each step before the ones that wrap what
     LoRA     the base frozen (stored in the compute dtype) and adapters added (models/lora.py), sharded over the ep
              group like the experts they adapt; before FSDP2, which then shards the adapters and their gradients
     TP       tensor + sequence parallelism over the tp group (tensor.py), on the plain blocks
+    FP8      the block projections as torchao float8 linears (fp8.py); before AC, compile and FSDP2, which then
+             all-gathers their weights in float8 (tensorwise)
     AC       activation checkpointing of each block (full or selective)
     compile  torch.compile of each block
     FSDP2    per block, then the root, over (dp_replicate, dp_shard) -- HSDP when dp_replicate > 1 -- with the EP
@@ -44,12 +46,14 @@ class Parallelized:
     tp_partial: list[nn.Module] = field(default_factory=list)
     # Hidden states between pipeline stages hold T / seq_shards positions (tp under sequence parallelism).
     seq_shards: int = 1
+    fp8_linears: list[str] = field(default_factory=list)  # the float8 linears (--fp8)
+    fp8_precompute: bool = False  # tensorwise under FSDP2: fp8.precompute_scales after each optimizer step
 
 
 def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activation_checkpointing: str = "none",
                 compile: bool = False, reshard_after_forward: bool = True, cpu_offload: bool = False,
-                lora: LoRASpec | None = None) -> Parallelized:
-    """EP -> LoRA -> TP -> AC -> compile -> FSDP2 on `model` in place (see the module docstring)."""
+                lora: LoRASpec | None = None, fp8: str = "off") -> Parallelized:
+    """EP -> LoRA -> TP -> FP8 -> AC -> compile -> FSDP2 on `model` in place (see the module docstring)."""
     dims, done = mesh.dims, Parallelized()
     if mesh.ep is not None:
         apply_expert_parallel(model, mesh.ep)
@@ -58,6 +62,11 @@ def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activ
     if mesh.tp is not None:
         done.tp_partial = apply_tensor_parallel(model, mesh.tp, dims.sequence_parallel)
         done.seq_shards = dims.tp if dims.sequence_parallel else 1
+    if fp8 != "off":
+        from paraseek.parallel.fp8 import apply_fp8
+
+        done.fp8_linears = apply_fp8(model, fp8, fsdp=not dims.ddp)
+        done.fp8_precompute = fp8 == "tensorwise" and not dims.ddp
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)

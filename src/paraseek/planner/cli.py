@@ -40,6 +40,9 @@ def register(subparsers) -> None:
                    "scaling)")
     p.add_argument("--plot", metavar="FILE.png", help="with --scaling: write a plot (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--fp8", default="off", choices=("off", "tensorwise", "rowwise", "rowwise-gw-hp"),
+                   help="train plans with `paraseek train --fp8 RECIPE`: the block projections' GEMMs in float8 and, "
+                   "tensorwise, their FSDP2 all-gather (default off; never chosen by the search)")
     p.add_argument("--doc-mask", action="store_true",
                    help="price packed rows with document masks (chat fine-tuning: per-token RoPE tables, positions "
                    "and FlexAttention's block mask per micro-batch)")
@@ -118,7 +121,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         raise UserError("--global-batch-size is required for training plans (sequences per optimizer step)")
     if ns.scaling:
         rows = scaling(args, cluster, _counts(ns.scaling), ns.seq_len, ns.global_batch_size, ns.model,
-                       weak=not ns.strong, engine_only=not ns.all_dims, compile=compile, document_mask=ns.doc_mask)
+                       weak=not ns.strong, engine_only=not ns.all_dims, compile=compile, document_mask=ns.doc_mask,
+                       fp8=ns.fp8)
         if ns.plot:
             report.plot_scaling(rows, ns.plot, f"{ns.model} on {cluster.gpu.name}, seq {ns.seq_len}, "
                                 f"global batch {ns.global_batch_size} (predicted)")
@@ -131,7 +135,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         return 0
 
     res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model, engine_only=not ns.all_dims,
-                 compile=compile, document_mask=ns.doc_mask)
+                 compile=compile, document_mask=ns.doc_mask, fp8=ns.fp8)
     if ns.json:
         print(json.dumps(report.search_json(res, ns.top), indent=2))
     else:

@@ -79,6 +79,14 @@ COMPILE_SINGLE_RANK = 0.65  # FSDP2's copies on a 1-rank mesh relative to a shar
 COMPILED_LOSS_TRAFFIC = 6.0
 
 
+# --fp8: the block projections' GEMM time relative to bf16, the casts and scale reductions included. Derived, not
+# fitted on our runs: TorchTitan's step rates on the 7B shape on one H200 (the fp8 issue, 2026-12-01: bf16 10,901,
+# tensorwise 14,604, rowwise 12,726 tokens/s), with the linears ~70% of its bf16 step, put the projections at 1.57x
+# (tensorwise) and 1.26x (rowwise); rowwise-gw-hp keeps the weight-gradient third in bf16: 1 / (2/3 / 1.26 + 1/3).
+FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.57, "rowwise": 1.26, "rowwise-gw-hp": 1.16}
+FP8 = 1  # bytes per param of a float8 all-gather
+
+
 @dataclass
 class StepTime:
     items: dict  # name -> seconds (exposed on the critical path)
@@ -148,8 +156,10 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     worst: dict[str, float] = {}
     for r in hot_ranks(shares):
         s = shares[r]
+        head = 6 * a.vocab_size * a.dim / tp if s.last else 0.0  # the output head stays in bf16 under --fp8
+        linear = (s.linear_flops - head) / FP8_LINEAR_SPEEDUP[plan.fp8] + head
         it = {
-            "compute_linear": tokens * s.linear_flops * recompute / (rate * eff.linear * gemm),
+            "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm),
             "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
@@ -179,9 +189,12 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     n_blocks = max(len(s.layers), 1)
     dense, experts = s.dense, s.experts / ep
 
+    # tensorwise --fp8 all-gathers the block projections in float8 (the root and the norms stay bf16)
+    gathered = FP8 * (dense - s.root) + BF16 * s.root if plan.fp8 == "tensorwise" else BF16 * dense
+
     def fsdp_round(gathers: int) -> float:
         shard, expert_dp = plan.stride("dp_shard"), plan.stride("expert_dp")
-        return (gathers * (collective(c, BF16 * dense, shard, plan.dp_shard, "all_gather")
+        return (gathers * (collective(c, gathered, shard, plan.dp_shard, "all_gather")
                            + collective(c, BF16 * experts, expert_dp, plan.dp_shard // ep, "all_gather"))
                 + collective(c, FP32 * dense, shard, plan.dp_shard, "reduce_scatter")
                 + collective(c, FP32 * experts, expert_dp, plan.dp_shard // ep, "reduce_scatter")

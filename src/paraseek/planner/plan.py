@@ -30,6 +30,9 @@ class Plan(ParallelDims):
     # Packed rows with per-document attention (chat data, --doc-mask): positions, per-token RoPE tables and a
     # FlexAttention block mask live with each micro-batch. A property of the data, not a choice the search makes.
     document_mask: bool = False
+    # --fp8 (parallel/fp8.py): the block projections' GEMMs in float8, and under tensorwise their FSDP2 all-gather.
+    # The user's choice, as the data's document masks: numerics change, so the search never picks it.
+    fp8: str = "off"
 
     @property
     def dims(self) -> ParallelDims:
@@ -71,6 +74,7 @@ class Plan(ParallelDims):
         out += ["--cpu-offload"] if self.cpu_offload else []
         out += ["--compile"] if self.compile else []
         out += ["--precision fp16"] if self.precision == "fp16" else []
+        out += [f"--fp8 {self.fp8}"] if self.fp8 != "off" else []
         # Pipelining keeps parameters gathered anyway, and DDP has nothing to reshard.
         if self.pp == 1 and self.dp_shard > 1 and not self.reshard_after_forward:
             out.append("--reshard-after-forward false")

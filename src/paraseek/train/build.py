@@ -37,6 +37,7 @@ class Model:
     tp_partial: list[nn.Module]  # modules whose parameters' gradients are partial over tp (reduce_tp_grads)
     seq_shards: int  # hidden states between stages hold T / seq_shards positions
     lora: LoRASpec | None = None  # the adapters trained on the frozen model (--lora-rank)
+    fp8_precompute: bool = False  # --fp8 tensorwise under FSDP2: float8 scales precomputed after each step
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -63,7 +64,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
         part.mtp.requires_grad_(False)
         done = parallelize(part, mesh, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
                            compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward,
-                           cpu_offload=cfg.cpu_offload, lora=lora)
+                           cpu_offload=cfg.cpu_offload, lora=lora, fp8=cfg.fp8)
         tp_partial += done.tp_partial
         seq_shards = done.seq_shards
         part.to_empty(device="cpu" if cfg.cpu_offload else device)
@@ -76,7 +77,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
             init_adapters(part, cfg.seed, device)
     inner = parts[0] if dims.pp == 1 else whole_model_view(args, parts)
     model = apply_ddp(inner, mesh, device, cfg.grad_compression) if dims.ddp else inner
-    return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards, lora)
+    return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards, lora, done.fp8_precompute)
 
 
 def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimizer, loader: DataLoader, scaler,

@@ -88,6 +88,7 @@ class TrainConfig:
     lora_rank: int = 0  # r > 0 turns LoRA on; 0 = off (every parameter is trained)
     lora_alpha: float = 0.0  # the update is scaled by alpha / r; 0 = r (scaling 1)
     lora_targets: str = ""  # comma-separated targets or shorthands (attention, mlp, shared_experts, experts); "" = all
+    fp8: str = "off"  # off | tensorwise | rowwise | rowwise-gw-hp: float8 projections (parallel/fp8.py)
 
     @property
     def world_size(self) -> int:
@@ -115,7 +116,7 @@ class TrainConfig:
                     activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
                     reshard_after_forward=self.reshard_after_forward, compile=self.compile,
                     precision="fp16" if self.precision == "fp16" else "bf16",
-                    document_mask=self.doc_mask == "true")
+                    document_mask=self.doc_mask == "true", fp8=self.fp8)
 
     def with_plan(self, plan) -> TrainConfig:
         """This run with a planner Plan's degrees, memory settings, compile and precision (its schedule only when it
@@ -143,6 +144,7 @@ _CHOICES = {
     "doc_mask": ("auto", "true", "false"),
     "loss_on": ("assistant", "all", "last-turn"),
     "overlong": ("truncate", "drop"),
+    "fp8": ("off", "tensorwise", "rowwise", "rowwise-gw-hp"),
 }
 _AT_LEAST = {"nnodes": 1, "steps": 1, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "log_every": 1,
              "rdzv_timeout": 1}
@@ -203,6 +205,9 @@ _HELP = {
     "export_hf": "write the trained model as an HF folder transformers loads",
     "lora_rank": "LoRA rank r > 0: train low-rank adapters on the frozen --init-from model (Hu et al. 2021)",
     "lora_alpha": "LoRA alpha: adapters scaled by alpha / r (0: alpha = r)",
+    "fp8": "float8 training of the attention and MLP projections (torchao; paraseek[fp8]): tensorwise (fastest, "
+           "float8 FSDP2 all-gather), rowwise (closer to bf16), rowwise-gw-hp (rowwise, weight gradients in high "
+           "precision); the head, router and embedding stay in --precision. Needs an Ada/Hopper GPU (default off)",
     "lora_targets": "what LoRA adapts, comma-separated: attention projections by name (q_proj, k_proj, v_proj, "
                     "o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), gate_proj/up_proj/down_proj (dense "
                     "MLPs), shared_experts, experts (routed, grouped), or attention, mlp, all (default: all)",
@@ -443,6 +448,18 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
     _check_outputs(cfg)
     check_lora(cfg, args)
     _validate_data_flags(cfg)
+    if cfg.fp8 != "off":
+        from paraseek.parallel.fp8 import fp8_problem
+
+        capability = None
+        if cfg.device == "cuda" and cuda_available:
+            import torch
+
+            capability = torch.cuda.get_device_capability(0)
+        problem = fp8_problem(cfg.fp8, cfg.device, capability, tp=cfg.tp, pp=cfg.pp, lora=cfg.lora_rank > 0,
+                              ddp=dims.ddp)
+        if problem:
+            raise UserError(problem)
 
 
 def _check_nodes(cfg: TrainConfig) -> None:

@@ -43,6 +43,7 @@ from paraseek.monitor.oom import cheapest_fix, write_snapshot
 from paraseek.monitor.profile import StepProfiler, report_all_ranks
 from paraseek.monitor.progress import (PEER_LOST, REPORTED, ProgressRecorder, is_peer_lost, report_failure,
                                        set_comm_timeout)
+from paraseek.parallel.fp8 import precompute_scales
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import DTYPES
 from paraseek.parallel.pipeline import Pipeline, describe
@@ -227,6 +228,8 @@ class Run:
                 self.scaler.update()
             else:
                 optimizer.step()
+            if self.m.fp8_precompute:
+                precompute_scales(self.m.inner)
         moe_metrics = self.experts.after_step(skipped=action == "skip") if self.experts else {}
         if step == self.start_step + 1:  # where each rank's model state lives, once (the planner's prediction target)
             layout = model_state_bytes_per_rank(self.m.params, optimizer)

@@ -1,0 +1,94 @@
+"""FP8 training with torchao's float8 linears (the optional extra `paraseek[fp8]`; torchao 0.17 for torch 2.11).
+
+DeepSeek-V3 trained in FP8 (its report, section 3.3): the matmuls of the projections in float8 with fine-grained
+scales, everything numerically delicate in higher precision. The recipes (torchao's, `--fp8 NAME`):
+
+    tensorwise     one scale per tensor, computed from its max each step; under FSDP2 the weights are all-gathered
+                   in float8 (half the bytes of bf16) and their scales precomputed once per step after the optimizer
+                   (`precompute_scales`). The fastest; the coarsest scales.
+    rowwise        one scale per row (of activations, weights and gradients): closer to bf16 numerically, a slower
+                   scaled GEMM, no float8 all-gather.
+    rowwise-gw-hp  rowwise, with the weight-gradient GEMM kept in high precision (torchao's rowwise_with_gw_hp).
+
+What is converted (`fp8_filter`): the nn.Linear of the attention and MLP projections (dense MLPs and shared
+experts) whose in and out features are multiples of 16, what the float8 GEMM (torch._scaled_mm) requires. The output
+head, the MoE router, the embedding and the norms are not nn.Linear projections of a block and stay in the training
+precision, as in DeepSeek-V3; the routed experts (grouped weights) stay in it too for now.
+
+On a GPU this needs float8 tensor cores (compute capability 8.9: Ada, Hopper and newer). On CPU it is refused,
+except for tests: PARASEEK_FP8_EMULATE=1 runs torchao's emulation (the same casts and scales, matmuls in high
+precision; no speed-up), which is how the CPU suite checks the wiring and the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from torch import nn
+
+RECIPES = ("tensorwise", "rowwise", "rowwise-gw-hp")
+_TORCHAO_NAME = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise-gw-hp": "rowwise_with_gw_hp"}
+_BLOCK_PARENTS = ("self_attn", "mlp", "shared_experts")  # the projections of a block
+MIN_CAPABILITY = (8, 9)
+
+
+def emulated() -> bool:
+    return os.environ.get("PARASEEK_FP8_EMULATE") == "1"
+
+
+def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, *, tp: int, pp: int, lora: bool,
+                ddp: bool) -> str | None:
+    """Why `--fp8 recipe` cannot run here, or None. Checked before launch."""
+    if recipe == "off":
+        return None
+    if device == "cpu" and not emulated():
+        return "--fp8 needs a GPU with float8 tensor cores (compute capability 8.9+: Ada, Hopper); on CPU leave it out"
+    if device == "cuda" and capability is not None and tuple(capability) < MIN_CAPABILITY:
+        return (f"--fp8 needs float8 tensor cores (compute capability 8.9+: Ada, Hopper); this GPU has "
+                f"{capability[0]}.{capability[1]}; leave it out (bf16 is this GPU's fastest)")
+    for flag, on in (("--tp", tp > 1), ("--pp", pp > 1), ("--lora-rank", lora)):
+        if on:
+            return f"--fp8 with {flag} is not supported yet; leave one of them out"
+    if ddp:
+        return "--fp8 runs with FSDP2 (--dp-shard > 1 or one process), not with DDP (--dp-shard 1 over replicas)"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "--fp8 needs torchao: pip install 'paraseek[fp8]'"
+    return None
+
+
+def fp8_filter(module: nn.Module, fqn: str) -> bool:
+    """True for the nn.Linear that become float8 linears: a block's attention and MLP projections whose shapes the
+    float8 GEMM takes (both dims multiples of 16)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    parent = fqn.rsplit(".", 2)[-2] if fqn.count(".") >= 1 else ""
+    return (parent in _BLOCK_PARENTS and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def _config(recipe: str, fsdp: bool):
+    from torchao.float8 import Float8LinearConfig
+
+    cfg = Float8LinearConfig.from_recipe_name(_TORCHAO_NAME[recipe])
+    return dataclasses.replace(cfg, enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise",
+                               emulate=emulated())
+
+
+def apply_fp8(model: nn.Module, recipe: str, fsdp: bool) -> list[str]:
+    """Swap the filtered linears of `model` (on the meta device, before AC, compile and FSDP2 wrap it) for torchao's
+    float8 linears; returns their names."""
+    from torchao.float8 import convert_to_float8_training
+
+    names = [n for n, m in model.named_modules() if fp8_filter(m, n)]
+    convert_to_float8_training(model, config=_config(recipe, fsdp), module_filter_fn=fp8_filter)
+    return names
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """Tensorwise under FSDP2: every float8 weight's scale for the next step's all-gather, in one pass after the
+    optimizer step (instead of one small reduction per weight inside each all-gather)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
