@@ -64,8 +64,8 @@ def fp8_filter(module: nn.Module, fqn: str) -> bool:
     float8 GEMM takes (both dims multiples of 16)."""
     if not isinstance(module, nn.Linear):
         return False
-    parent = fqn.rsplit(".", 2)[-2] if fqn.count(".") >= 1 else ""
-    return (parent in _BLOCK_PARENTS and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    parent = fqn.split(".")[-2] if "." in fqn else ""
+    return parent in _BLOCK_PARENTS and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def _config(recipe: str, fsdp: bool):
@@ -76,14 +76,12 @@ def _config(recipe: str, fsdp: bool):
                                emulate=emulated())
 
 
-def apply_fp8(model: nn.Module, recipe: str, fsdp: bool) -> list[str]:
+def apply_fp8(model: nn.Module, recipe: str, fsdp: bool) -> None:
     """Swap the filtered linears of `model` (on the meta device, before AC, compile and FSDP2 wrap it) for torchao's
-    float8 linears; returns their names."""
+    float8 linears."""
     from torchao.float8 import convert_to_float8_training
 
-    names = [n for n, m in model.named_modules() if fp8_filter(m, n)]
     convert_to_float8_training(model, config=_config(recipe, fsdp), module_filter_fn=fp8_filter)
-    return names
 
 
 def precompute_scales(model: nn.Module) -> None:

@@ -46,7 +46,6 @@ class Parallelized:
     tp_partial: list[nn.Module] = field(default_factory=list)
     # Hidden states between pipeline stages hold T / seq_shards positions (tp under sequence parallelism).
     seq_shards: int = 1
-    fp8_linears: list[str] = field(default_factory=list)  # the float8 linears (--fp8)
     fp8_precompute: bool = False  # tensorwise under FSDP2: fp8.precompute_scales after each optimizer step
 
 
@@ -65,7 +64,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activ
     if fp8 != "off":
         from paraseek.parallel.fp8 import apply_fp8
 
-        done.fp8_linears = apply_fp8(model, fp8, fsdp=not dims.ddp)
+        apply_fp8(model, fp8, fsdp=not dims.ddp)
         done.fp8_precompute = fp8 == "tensorwise" and not dims.ddp
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:

@@ -156,8 +156,8 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     worst: dict[str, float] = {}
     for r in hot_ranks(shares):
         s = shares[r]
-        head = 6 * a.vocab_size * a.dim / tp if s.last else 0.0  # the output head stays in bf16 under --fp8
-        linear = (s.linear_flops - head) / FP8_LINEAR_SPEEDUP[plan.fp8] + head
+        # --fp8: the block projections speed up (the router, a tiny share, is counted with them); the head stays bf16
+        linear = (s.linear_flops - s.head_flops) / FP8_LINEAR_SPEEDUP[plan.fp8] + s.head_flops
         it = {
             "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm),
             "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)

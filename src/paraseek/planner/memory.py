@@ -331,7 +331,8 @@ class RankShare:
     noac_max_compiled: float  # the same, torch.compile'd
     dispatch_max: float  # bytes per token (of the dp rank's micro-batch) this tp rank sends in one all-to-all
     n_moe: int
-    linear_flops: float  # training FLOPs per token on this tp rank: dense/replicated linears (+ head)
+    linear_flops: float  # training FLOPs per token on this tp rank: dense/replicated linears (+ head_flops)
+    head_flops: float  # the output matmul's share of linear_flops (0 off the last rank): bf16 under --fp8
     expert_flops: float  # routed-expert FLOPs per token on this tp rank: whole experts on T / tp tokens (SP)
     attn_flops: float  # causal half of the score/value matmuls per token on this tp rank
     elem_bytes: float  # saved-activation bytes per token without checkpointing (memory-bound traffic proxy)
@@ -347,6 +348,7 @@ def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str)
         Ls = [t.layers[i] for i in layers]
         first, last = 0 in holds, pp * v - 1 in holds
         root = (t.embedding / tp if first else 0) + ((t.head / tp + t.final_norm) if last else 0)
+        head = 6 * a.vocab_size * a.dim / tp if last else 0  # the output matmul's training FLOPs, tied or not
         act = {ac: sum(L.act[ac][0] + L.act[ac][1] / tp for L in Ls) for ac in Ls[0].act}
         noac = [L.act["none"][0] + L.act["none"][1] / tp for L in Ls]
         noac_c = [L.act["none+compile"][0] + L.act["none+compile"][1] / tp for L in Ls]
@@ -362,8 +364,8 @@ def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str)
             dispatch_max=max(L.dispatch_bytes for L in Ls) / tp, n_moe=sum(L.moe for L in Ls),
             # MLA's replicated down-projections run on all T gathered tokens on every tp rank (duplicated work); the
             # router only on this rank's T / tp tokens.
-            linear_flops=6 * sum((L.active_split + L.router) / tp + L.active_whole - L.router for L in Ls)
-            + (6 * a.vocab_size * a.dim / tp if last else 0),  # the output matmul, tied or not
+            linear_flops=6 * sum((L.active_split + L.router) / tp + L.active_whole - L.router for L in Ls) + head,
+            head_flops=head,
             # Whole experts on T / tp tokens (SP): 1/tp of the expert work per rank. Without SP every tp rank would
             # run them on all T tokens (x tp); the planner's tp plans are SP plans, as the engine's default.
             expert_flops=6 * sum(L.active_experts for L in Ls) / tp,
