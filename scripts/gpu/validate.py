@@ -23,6 +23,15 @@ Groups (each fits one 10-minute device call on 2x H200):
         forward+backward, by source line.
   v2lite_push  V2-Lite compiled without checkpointing: params kept gathered, EP=2, mbs 2 and 4, one profiled step.
   profile one profiled step of V2-Lite (14 layers) FSDP and of 7B tp=2: top kernels, CPU ops, host syncs.
+  fp8tests  tests/gpu/test_fp8_gpu.py and test_fp8_experts_gpu.py.
+  fp8smoke  the 7B width cut to 4 layers (seq 4096, mbs 2, selective + compile) in bf16 and under --fp8 tensorwise
+        and rowwise.
+  fp8peer  TorchTitan (anchors' torchtitan_peer.sh ds7b, compiled) in float8 tensorwise and rowwise, then
+        DeepSeek-LLM-7B with its best bf16 flags, and with each --fp8 recipe added; Llama-3.1-8B cut to 16 layers.
+  fp8parity  500 steps of the 7B width cut to 4 layers from one seeded bf16 initialization on the bundled corpus,
+        bf16 vs each recipe: the curves (JSONL under --out) and the gap of the last 50 steps' mean loss.
+  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise (fp8 experts) and
+        tensorwise.
 """
 
 from __future__ import annotations
@@ -41,7 +50,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 MODELS = Path(os.environ.get("VALIDATE_MODELS", "/tmp/validate-models"))  # big folders stay out of --out
-ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
+# src first, then whatever the caller put on the path (wheels installed with --target: torchao, the serve extra)
+ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
+           PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
 CORPUS = str(ROOT / "src" / "paraseek" / "assets" / "corpus")
 N = torch.cuda.device_count()
 
@@ -100,7 +111,10 @@ def bench_run(name: str, nproc: int, argv: list[str], timeout: int = 300) -> dic
                    "--warmup", "3", "--steps", "5", *argv], timeout)
     m = re.search(r'^\{\s*"runs".*', text, re.S | re.M)
     rows = json.loads(text[m.start():text.rindex("}") + 1])["runs"] if rc == 0 and m else []
-    return {"name": name, "rc": rc, **(rows[-1] if rows else {}), "runs": rows}
+    r = {"name": name, "rc": rc, **(rows[-1] if rows else {}), "runs": rows}
+    print(f"    {name}: {r.get('tokens_per_s_per_gpu')} tokens/s/GPU, MFU {r.get('mfu')}, {r.get('mem_peak_gib')} GiB",
+          flush=True)
+    return r
 
 
 def baseline(anchors: str, argv: list[str], timeout: int = 300) -> dict:
@@ -433,6 +447,79 @@ def group_profile(out: Path) -> list[dict]:
     return runs
 
 
+SEVEN_BEST = ["--seq-len", "4096", "--micro-batch-size", "2", "--global-batch-size", str(2 * N),
+              "--activation-checkpointing", "selective", "--compile"]  # issue #17's documented best 7B flags
+
+
+def torchtitan(anchors: str, name: str, flavor: str, *flags: str, timeout: int = 300) -> dict:
+    """One TorchTitan peer run: its step-30 line (tps = tokens/s/GPU, MFU against 989 TFLOP/s)."""
+    rc, text = sh(["bash", f"{anchors}/torchtitan_peer.sh", flavor, "--compile.enable", *flags], timeout)
+    steps = [ln for ln in text.splitlines() if re.search(r"step: *\d+ ", ln)]
+    last = steps[-1] if steps else ""
+    num = lambda pat: (lambda m: float(m.group(1).replace(",", "")) if m else None)(re.search(pat, last))
+    r = {"name": f"torchtitan {name}", "rc": rc, "tokens_per_s_per_gpu": num(r"tps: *([\d,]+)"),
+         "mfu": num(r"mfu: *([\d.]+)%"), "loss": num(r"loss: *([\d.]+)"),
+         "mem_peak_gib": num(r"memory: *([\d.]+)GiB"), "lines": steps}
+    print(f"    {last[-200:]}", flush=True)
+    return r
+
+
+def group_fp8tests(out: Path) -> list[dict]:
+    rc, text = sh([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu/test_fp8_gpu.py",
+                   *[str(p) for p in (ROOT / "tests" / "gpu").glob("test_fp8_experts_gpu.py")]], 420)
+    (out / "fp8-tests.txt").write_text(text)
+    return [{"name": "fp8 gpu tests", "rc": rc, "result": text.strip().splitlines()[-1] if text.strip() else ""}]
+
+
+def group_fp8smoke(out: Path) -> list[dict]:
+    runs = []
+    cut = folder("ds7b4", "deepseek-llm-7b", 4, weights=False)
+    for recipe in ("off", "tensorwise", "rowwise"):
+        runs.append(bench_run(f"7b-4l fp8 {recipe}", N, ["--model", cut, *SEVEN_BEST, "--fp8", recipe]))
+    return runs
+
+
+def group_fp8peer(out: Path, anchors: str) -> list[dict]:
+    fp8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name"]
+    runs = [torchtitan(anchors, "ds7b float8 tensorwise", "ds7b", *fp8, "tensorwise"),
+            torchtitan(anchors, "ds7b float8 rowwise", "ds7b", *fp8, "rowwise")]
+    for recipe in ("off", "tensorwise", "rowwise"):
+        runs.append(bench_run(f"deepseek-llm-7b best bf16 flags, fp8 {recipe}", N,
+                              ["--model", "deepseek-llm-7b", *SEVEN_BEST, "--fp8", recipe]))
+    llama = folder("llama8b16", "deepseek-r1-distill-llama-8b", 16, weights=False)
+    for recipe in ("off", "tensorwise"):
+        runs.append(bench_run(f"llama-8b 16 layers selective+compile, fp8 {recipe}", N,
+                              ["--model", llama, *SEVEN_BEST, "--fp8", recipe]))
+    return runs
+
+
+def group_fp8parity(out: Path) -> list[dict]:
+    init = folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True)
+    common = ["--init-from", init, "--data", CORPUS, "--seq-len", "4096", "--global-batch-size", "2",
+              "--micro-batch-size", "2", "--steps", "500", "--lr", "3e-4", "--warmup-steps", "20",
+              "--activation-checkpointing", "selective", "--compile", "--seed", "0"]
+    runs = []
+    for recipe in ("off", "tensorwise", "rowwise", "rowwise-gw-hp"):
+        r = train_run(out, f"fp8parity-{recipe}", 1, [*common, "--fp8", recipe], timeout=300)
+        tail = r["losses"][-50:]
+        r["tail_loss"] = sum(tail) / len(tail) if tail else None
+        r.pop("losses")
+        runs.append(r)
+    ref = runs[0]["tail_loss"]
+    for r in runs[1:]:
+        if ref and r["tail_loss"]:
+            r["max_rel_loss_diff"] = (r["tail_loss"] - ref) / ref
+    return runs
+
+
+def group_fp8moe(out: Path) -> list[dict]:
+    v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
+    return [bench_run(f"v2lite-6l no-AC+compile mbs2, fp8 {recipe}", N,
+                      ["--model", v2, "--seq-len", "4096", "--micro-batch-size", "2", "--global-batch-size", str(2 * N),
+                       "--activation-checkpointing", "none", "--compile", "--fp8", recipe])
+            for recipe in ("off", "rowwise", "tensorwise")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("groups")
@@ -450,15 +537,17 @@ def main() -> None:
         fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
               "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
-              "v2lite_push": group_v2lite_push}.get(g)
+              "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests, "fp8parity": group_fp8parity,
+              "fp8moe": group_fp8moe}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
-                                          "final": group_final}[g](out, a.anchors)
+                                          "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     for g, runs in results.items():
         print(f"== {g} results")
         for r in runs:
             keep = {k: r.get(k) for k in ("rc", "gpus", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s",
-                                          "max_rel_loss_diff", "predicted", "weak_scaling_efficiency", "result")
+                                          "max_rel_loss_diff", "predicted", "weak_scaling_efficiency", "result",
+                                          "loss", "tail_loss")
                     if r.get(k) is not None}
             print(f"{r['name']}: {json.dumps(keep)}")
 
