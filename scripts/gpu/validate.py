@@ -27,8 +27,9 @@ Groups (each fits one 10-minute device call on 2x H200):
   fp8smoke  the 7B width cut to 4 layers (seq 4096, mbs 2, selective + compile) in bf16 and under --fp8 tensorwise
         and rowwise.
   fp8peer  TorchTitan (anchors' torchtitan_peer.sh ds7b, compiled) in float8 tensorwise and rowwise, then
-        DeepSeek-LLM-7B with its best bf16 flags, and with each --fp8 recipe added; Llama-3.1-8B cut to 16 layers.
-  fp8parity  500 steps of the 7B width cut to 4 layers from one seeded bf16 initialization on the bundled corpus,
+        DeepSeek-LLM-7B with its best bf16 flags, and with --fp8 tensorwise and rowwise added.
+  fp8llama  the Llama-3.1-8B shape cut to 16 layers (to fit one GPU), the same flags, bf16 and both recipes.
+  fp8parity  500 steps (seq 2048) of the 7B width cut to 4 layers from one seeded bf16 initialization on the bundled corpus,
         bf16 vs each recipe: the curves (JSONL under --out) and the gap of the last 50 steps' mean loss.
   fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise (fp8 experts) and
         tensorwise.
@@ -486,16 +487,18 @@ def group_fp8peer(out: Path, anchors: str) -> list[dict]:
     for recipe in ("off", "tensorwise", "rowwise"):
         runs.append(bench_run(f"deepseek-llm-7b best bf16 flags, fp8 {recipe}", N,
                               ["--model", "deepseek-llm-7b", *SEVEN_BEST, "--fp8", recipe]))
-    llama = folder("llama8b16", "deepseek-r1-distill-llama-8b", 16, weights=False)
-    for recipe in ("off", "tensorwise"):
-        runs.append(bench_run(f"llama-8b 16 layers selective+compile, fp8 {recipe}", N,
-                              ["--model", llama, *SEVEN_BEST, "--fp8", recipe]))
     return runs
+
+
+def group_fp8llama(out: Path) -> list[dict]:
+    llama = folder("llama8b16", "deepseek-r1-distill-llama-8b", 16, weights=False)
+    return [bench_run(f"llama-8b 16 layers selective+compile, fp8 {recipe}", N,
+                      ["--model", llama, *SEVEN_BEST, "--fp8", recipe]) for recipe in ("off", "tensorwise", "rowwise")]
 
 
 def group_fp8parity(out: Path) -> list[dict]:
     init = folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True)
-    common = ["--init-from", init, "--data", CORPUS, "--seq-len", "4096", "--global-batch-size", "2",
+    common = ["--init-from", init, "--data", CORPUS, "--seq-len", "2048", "--global-batch-size", "2",
               "--micro-batch-size", "2", "--steps", "500", "--lr", "3e-4", "--warmup-steps", "20",
               "--activation-checkpointing", "selective", "--compile", "--seed", "0"]
     runs = []
@@ -537,7 +540,7 @@ def main() -> None:
         fn = {"loss": group_loss, "plan": group_plan, "scale": group_scale, "profile": group_profile,
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
               "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
-              "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests, "fp8parity": group_fp8parity,
+              "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests, "fp8llama": group_fp8llama, "fp8parity": group_fp8parity,
               "fp8moe": group_fp8moe}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
