@@ -6,7 +6,8 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
 Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, stress, hf (HF generate
 on the same requests, 8B and 1.5B; hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
-`paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), profile
+`paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), serve2048 (its concurrency 32 and
+64 points with --max-batched-tokens 2048), profile
 (scripts/gpu/decode_profile.py variants).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
@@ -144,6 +145,26 @@ def group_hfv2(out: Path, anchors: str) -> list[dict]:
 def group_serve(out: Path, anchors: str) -> list[dict]:
     """`paraseek serve` (8B shape, random weights) under `paraseek bench-serve`: concurrency 1, 8, 32, 64 and a
     request-rate sweep, 512-token prompts and 128 output tokens; then SIGTERM and its exit code."""
+    # A seed per invocation (each sweep point draws its own prompts too): no run finds another's prompts in
+    # the server's prefix cache; each run reports the hit rate it got.
+    results = _serve(out, [], [["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1"],
+                               ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128", "--seed", "2",
+                                "--plot", str(out / "serve-concurrency.png")],
+                               ["--sweep", "8,32", "--num-prompts", "128", "--slo-ttft-ms", "250", "--slo-tpot-ms",
+                                "50", "--seed", "3"]])
+    # The engine offline at the same concurrency and lengths: what the server's throughput is compared with.
+    results.append(bench(out, "offline-c32", LLAMA, "--workloads", "throughput", "--num-requests", "128",
+                         "--input-len", "512", "--output-len", "128", "--max-num-seqs", "32"))
+    return results
+
+
+def group_serve2048(out: Path, anchors: str) -> list[dict]:
+    """The serve group's concurrency 32 and 64 points with 2048 tokens per step instead of 8192."""
+    return _serve(out, ["--max-batched-tokens", "2048"],
+                  [["--max-concurrency", "32", "--sweep", "32,64", "--num-prompts", "128", "--seed", "4"]])
+
+
+def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]]) -> list[dict]:
     import signal
     import urllib.request
 
@@ -151,7 +172,7 @@ def group_serve(out: Path, anchors: str) -> list[dict]:
     log = open(out / "serve.log", "w")
     t0 = time.time()
     server = subprocess.Popen([PY, "-m", "paraseek", "serve", LLAMA, "--random-weights", "--port", str(port),
-                               "--served-model-name", "llama8b"], env=ENV, cwd=ROOT, stdout=log, stderr=log)
+                               "--served-model-name", "llama8b", *server_flags], env=ENV, cwd=ROOT, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     ready = False
     while time.time() - t0 < 150 and server.poll() is None:
@@ -166,13 +187,7 @@ def group_serve(out: Path, anchors: str) -> list[dict]:
     runs = []
     if ready:
         common = ["--input-len", "512", "--output-len", "128", "--json", "--model", "llama8b"]
-        # A seed per invocation (each sweep point draws its own prompts too): no run finds another's prompts in
-        # the server's prefix cache; each run reports the hit rate it got.
-        for flags in (["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1"],
-                      ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128", "--seed", "2",
-                       "--plot", str(out / "serve-concurrency.png")],
-                      ["--sweep", "8,32", "--num-prompts", "128", "--slo-ttft-ms", "250", "--slo-tpot-ms", "50",
-                       "--seed", "3"]):
+        for flags in bench_flags:
             rc, text = sh([PY, "-m", "paraseek", "bench-serve", url, *common, *flags], 240)
             try:
                 runs += json.loads(text[text.find("{"):text.rfind("}") + 1])["runs"]
@@ -186,10 +201,9 @@ def group_serve(out: Path, anchors: str) -> list[dict]:
         code = "killed after 90 s"
     log.close()
     results.append({"name": "serve SIGTERM", "rc": 0 if code == 0 else 1, "summary": f"exit code {code}"})
-    results.append({"name": "serve runs", "rc": 0, "runs": runs, "summary": "; ".join(_serve_row(r) for r in runs)})
-    # The engine offline at the same concurrency and lengths: what the server's throughput is compared with.
-    results.append(bench(out, "offline-c32", LLAMA, "--workloads", "throughput", "--num-requests", "128",
-                         "--input-len", "512", "--output-len", "128", "--max-num-seqs", "32"))
+    results.append({"name": "serve runs " + " ".join(server_flags), "rc": 0, "runs": runs,
+                    "summary": "; ".join(_serve_row(r) for r in runs)})
+    print(results[-1]["summary"], flush=True)
     return results
 
 
