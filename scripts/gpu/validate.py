@@ -28,10 +28,11 @@ Groups (each fits one 10-minute device call on 2x H200):
         and rowwise.
   fp8peer  TorchTitan (anchors' torchtitan_peer.sh ds7b, compiled) in float8 tensorwise and rowwise, then
         DeepSeek-LLM-7B with its best bf16 flags, and with --fp8 tensorwise and rowwise added.
-  fp8llama  the Llama-3.1-8B shape cut to 16 layers (to fit one GPU), the same flags, bf16 and tensorwise.
+  fp8llama  the Llama-3.1-8B shape cut to 16 layers (to fit one GPU), the same flags, bf16 and both recipes.
   fp8parity  500 steps (seq 2048) of the 7B width cut to 4 layers from one seeded bf16 initialization on the bundled corpus,
         bf16 vs each recipe: the curves (JSONL under --out) and the gap of the last 50 steps' mean loss.
-  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise (fp8 experts).
+  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise (fp8 experts) and
+        tensorwise.
 """
 
 from __future__ import annotations
@@ -492,7 +493,7 @@ def group_fp8peer(out: Path, anchors: str) -> list[dict]:
 def group_fp8llama(out: Path) -> list[dict]:
     llama = folder("llama8b16", "deepseek-r1-distill-llama-8b", 16, weights=False)
     return [bench_run(f"llama-8b 16 layers selective+compile, fp8 {recipe}", N,
-                      ["--model", llama, *SEVEN_BEST, "--fp8", recipe]) for recipe in ("off", "tensorwise")]
+                      ["--model", llama, *SEVEN_BEST, "--fp8", recipe]) for recipe in ("off", "tensorwise", "rowwise")]
 
 
 def group_fp8parity(out: Path) -> list[dict]:
@@ -519,7 +520,7 @@ def group_fp8moe(out: Path) -> list[dict]:
     return [bench_run(f"v2lite-6l no-AC+compile mbs2, fp8 {recipe}", N,
                       ["--model", v2, "--seq-len", "4096", "--micro-batch-size", "2", "--global-batch-size", str(2 * N),
                        "--activation-checkpointing", "none", "--compile", "--fp8", recipe])
-            for recipe in ("off", "rowwise")]
+            for recipe in ("off", "rowwise", "tensorwise")]
 
 
 def main() -> None:

@@ -230,14 +230,10 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
     )
 
 
-def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None,
-               fp8: bool = False) -> torch.Tensor:
+def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
     """Rows of x sorted by expert (counts_E rows for expert e) times expert e's weight [O, I]: one grouped GEMM.
 
-    fp8: torchao's float8 rowwise grouped GEMM (Hopper; parallel/fp8.py decides), on groups padded to 16 rows.
     The fallback loops over experts (never over tokens) and is exact; it needs the counts on the host."""
-    if fp8:
-        return padded_grouped_mm(x_MI, w_EOI, counts_E, _fp8_grouped_gemm).to(x_MI.dtype)
     if use_grouped is None:
         use_grouped = _use_grouped_mm(x_MI)
     if use_grouped:
@@ -247,47 +243,8 @@ def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, 
     return torch.cat([chunk @ w_EOI[e].t() for e, chunk in enumerate(chunks)], dim=0)
 
 
-def pad_groups(counts_E: torch.Tensor, n_rows: int, align: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where `n_rows` expert-sorted slots go once each expert's group is padded with zero rows to a multiple of
-    `align` (torch._scaled_grouped_mm, the float8 grouped GEMM, takes only such groups): (destination row of each
-    slot [M], the padded groups' int32 end offsets [E], the padded row count). All on the device with static shapes
-    (no host sync, no recompile under torch.compile): the row count is a bound, sum_e ceil(c_e/16)*16 <=
-    floor((M + 15E)/16)*16, not the data's. A multiple of 16 as torchao's own padding makes it: the float8 weight-
-    gradient GEMM reads the tokens column-major, a stride of the row count that must be 16-byte aligned."""
-    ends_E = torch.cumsum(counts_E, dim=0)
-    padded_E = (counts_E + align - 1) // align * align
-    padded_ends_E = torch.cumsum(padded_E, dim=0)
-    row_M = torch.arange(n_rows, dtype=ends_E.dtype, device=counts_E.device)
-    expert_M = torch.searchsorted(ends_E, row_M, right=True)  # slots are sorted by expert
-    shift_E = (padded_ends_E - padded_E) - (ends_E - counts_E)  # padded start - start
-    n_pad = (n_rows + counts_E.shape[0] * (align - 1)) // align * align
-    return row_M + shift_E[expert_M], padded_ends_E.to(torch.int32), n_pad
-
-
-def padded_grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, gemm) -> torch.Tensor:
-    """grouped_mm through `gemm(x_pad, w_EIO, offs_E)` on groups padded to 16 rows with zeros (pad_groups): the same
-    rows out, in the same order. `gemm` is torchao's float8 GEMM on the GPU, any grouped GEMM in the CPU tests."""
-    dest_M, offs_E, n_pad = pad_groups(counts_E, x_MI.shape[0])
-    x_pad = x_MI.new_zeros(n_pad, x_MI.shape[1]).index_copy(0, dest_M, x_MI)
-    return gemm(x_pad, w_EOI.transpose(-2, -1), offs_E).index_select(0, dest_M)
-
-
-def _fp8_grouped_gemm(x_pad: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    # torchao's differentiable float8 rowwise grouped GEMM (forward and both backward GEMMs, Triton casts; sm90).
-    # Its own padding is unsupported (it asserts), hence pad_groups; w_EIO is column-major per expert, as it needs.
-    from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
-
-    return _to_fp8_rowwise_then_scaled_grouped_mm(x_pad, w_EIO, offs_E, out_dtype=torch.bfloat16,
-                                                  float8_dtype=torch.float8_e4m3fn,
-                                                  pad_token_groups_for_grouped_mm=False)
-
-
 class Experts(nn.Module):
     """E routed SwiGLU experts as stacked [E, out, in] weights (one per-expert nn.Linear each in the hub format)."""
-
-    # The GEMMs in float8 rowwise (grouped_mm's fp8), set by parallel.fp8.apply_fp8. A class attribute: expert
-    # parallelism's subclass is built without Experts.__init__.
-    fp8_grouped: bool = False
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
         super().__init__()
@@ -304,7 +261,7 @@ class Experts(nn.Module):
     def project(self, name: str, x_MI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None) -> torch.Tensor:
         """x through the stacked projection `name` ([E, O, I]): the one place an expert weight is applied, so that
         what is applied from outside (expert parallelism's local shards, LoRA's low-rank term) overrides only this."""
-        return grouped_mm(x_MI, getattr(self, name), counts_E, use_grouped, fp8=self.fp8_grouped)
+        return grouped_mm(x_MI, getattr(self, name), counts_E, use_grouped)
 
 
 class Gate(nn.Module):

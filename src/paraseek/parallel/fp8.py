@@ -13,14 +13,7 @@ scales, everything numerically delicate in higher precision. The recipes (torcha
 What is converted (`fp8_filter`): the nn.Linear of the attention and MLP projections (dense MLPs and shared
 experts) whose in and out features are multiples of 16, what the float8 GEMM (torch._scaled_mm) requires. The output
 head, the MoE router, the embedding and the norms are not nn.Linear projections of a block and stay in the training
-precision, as in DeepSeek-V3.
-
-The routed experts (stacked [E, out, in] weights, one grouped GEMM per projection) run torchao's float8 grouped GEMM
-(torch._scaled_grouped_mm; models/deepseek.py grouped_mm, token groups padded to 16 rows) under every recipe, and
-always rowwise: it is the one scaling torchao's grouped GEMM has (one scale per row of the tokens, per output column
-of each expert's weight, per group in the weight gradient). It needs Hopper (sm90: the kernel has no Ada or CPU
-version), dims that are multiples of 16, and torchao's moe_training module; otherwise the experts stay in the
-training precision (`fp8_experts` says which).
+precision, as in DeepSeek-V3; the routed experts (grouped weights) stay in it too for now.
 
 On a GPU this needs float8 tensor cores (compute capability 8.9: Ada, Hopper and newer). On CPU it is refused,
 except for tests: PARASEEK_FP8_EMULATE=1 runs torchao's emulation (the same casts and scales, matmuls in high
@@ -32,10 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import torch
 from torch import nn
-
-from paraseek.models.deepseek import Experts
 
 RECIPES = ("tensorwise", "rowwise", "rowwise-gw-hp")
 _TORCHAO_NAME = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise-gw-hp": "rowwise_with_gw_hp"}
@@ -78,24 +68,6 @@ def fp8_filter(module: nn.Module, fqn: str) -> bool:
     return parent in _BLOCK_PARENTS and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def fp8_experts() -> bool:
-    """Whether `apply_fp8` puts the routed experts on the float8 grouped GEMM here: a Hopper GPU and torchao's
-    kernels. Never under PARASEEK_FP8_EMULATE: torchao emulates its float8 linears on CPU, not the grouped GEMM
-    (Triton kernels and torch._scaled_grouped_mm only), so the CPU runs keep the experts on the ordinary path."""
-    if emulated() or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
-    try:
-        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def experts_filter(module: nn.Module) -> bool:
-    """True for routed experts whose GEMMs the float8 grouped GEMM takes: model and expert dims multiples of 16."""
-    return isinstance(module, Experts) and all(d % 16 == 0 for d in module.gate_proj.shape[1:])
-
-
 def _config(recipe: str, fsdp: bool):
     from torchao.float8 import Float8LinearConfig
 
@@ -104,17 +76,12 @@ def _config(recipe: str, fsdp: bool):
                                emulate=emulated())
 
 
-def apply_fp8(model: nn.Module, recipe: str, fsdp: bool, experts: bool | None = None) -> None:
+def apply_fp8(model: nn.Module, recipe: str, fsdp: bool) -> None:
     """Swap the filtered linears of `model` (on the meta device, before AC, compile and FSDP2 wrap it) for torchao's
-    float8 linears, and put the filtered routed experts (after expert parallelism: its experts are `Experts` too) on
-    the float8 rowwise grouped GEMM, whatever the recipe. `experts`: None where `fp8_experts()` says so."""
+    float8 linears."""
     from torchao.float8 import convert_to_float8_training
 
     convert_to_float8_training(model, config=_config(recipe, fsdp), module_filter_fn=fp8_filter)
-    experts = fp8_experts() if experts is None else experts
-    for m in model.modules():
-        if experts and experts_filter(m):
-            m.fp8_grouped = True
 
 
 def precompute_scales(model: nn.Module) -> None:

@@ -97,8 +97,6 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
-if hasattr(torch.ops.aten, "_scaled_grouped_mm"):  # the routed experts under --fp8 (models/deepseek.py grouped_mm)
-    _SAVE_OPS.add(torch.ops.aten._scaled_grouped_mm.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

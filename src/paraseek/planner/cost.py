@@ -84,10 +84,6 @@ COMPILED_LOSS_TRAFFIC = 6.0
 # tensorwise 14,604, rowwise 12,726 tokens/s), with the linears ~70% of its bf16 step, put the projections at 1.57x
 # (tensorwise) and 1.26x (rowwise); rowwise-gw-hp keeps the weight-gradient third in bf16: 1 / (2/3 / 1.26 + 1/3).
 FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.57, "rowwise": 1.26, "rowwise-gw-hp": 1.16}
-# The routed experts' grouped GEMMs under any --fp8 recipe: torchao's float8 grouped GEMM, always rowwise, on Hopper
-# only (parallel/fp8.py; Ada keeps them bf16). Priced at the rowwise factor above: the same derived, unfitted number,
-# not measured on grouped GEMMs (the padding of each expert's rows to a multiple of 16 is not priced).
-FP8_GROUPED_GPUS = ("H100", "H100-PCIe", "H200", "H800", "H20")
 FP8 = 1  # bytes per param of a float8 all-gather
 
 
@@ -156,17 +152,15 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     # routes only its T / tp tokens to its whole replicated experts): small GEMMs are inefficient.
     rows = tokens / tp * ep * a.n_activated_experts / max(a.n_routed_experts, 1)
     grouped_eff = eff.grouped * rows / (rows + GROUPED_HALF_ROWS) if rows else 1.0
-    fp8_experts = plan.fp8 != "off" and c.gpu.name in FP8_GROUPED_GPUS
     # The slowest pp rank's micro-batch.
     worst: dict[str, float] = {}
     for r in hot_ranks(shares):
         s = shares[r]
         # --fp8: the block projections speed up (the router, a tiny share, is counted with them); the head stays bf16
         linear = (s.linear_flops - s.head_flops) / FP8_LINEAR_SPEEDUP[plan.fp8] + s.head_flops
-        expert_flops = s.expert_flops / (FP8_LINEAR_SPEEDUP["rowwise"] if fp8_experts else 1.0)
         it = {
             "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm),
-            "compute_experts": (tokens * expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)
+            "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
             "compute_elementwise": (tokens * s.elem_bytes * elem_traffic * (4 / 3 if full or sel else 1.0)
