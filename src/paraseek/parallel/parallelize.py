@@ -80,15 +80,13 @@ def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activ
 
 
 # Ops whose outputs selective checkpointing keeps: the matmuls and attention (costly to recompute); everything
-# elementwise (norms, SiLU, RoPE, residual adds) is recomputed in the backward pass. Under --fp8 the projections are
-# _scaled_mm (their bf16 outputs, the same bytes as mm's) and each float8 cast starts from an abs-max (aten.max: one
-# number per tensor or row) that is cheaper kept than recomputed.
+# elementwise (norms, SiLU, RoPE, residual adds) is recomputed in the backward pass. Under --fp8 the projections'
+# _scaled_mm is recomputed, as in TorchTitan's list; a run that kept it (and the casts' abs-maxes) was no faster
+# (BENCHMARKS.md, fp8: not yet measured in isolation).
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_mm.default,
-    torch.ops.aten.max.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
