@@ -6,8 +6,9 @@ scales, everything numerically delicate in higher precision. The recipes (torcha
     tensorwise     one scale per tensor, computed from its max each step; under FSDP2 the weights are all-gathered
                    in float8 (half the bytes of bf16) and their scales precomputed once per step after the optimizer
                    (`precompute_scales`). The fastest; the coarsest scales.
-    rowwise        one scale per row (of activations, weights and gradients): closer to bf16 numerically, a slower
-                   scaled GEMM, no float8 all-gather.
+    rowwise        one scale per row (of activations, weights and gradients; torchao rounds each to a power of
+                   two), a slower scaled GEMM, no float8 all-gather. Finer scales, yet measured further from bf16
+                   than tensorwise on one H200 (BENCHMARKS.md, FP8 training: +3.1% vs +0.2% after 500 steps).
     rowwise-gw-hp  rowwise, with the weight-gradient GEMM kept in high precision (torchao's rowwise_with_gw_hp).
 
 What is converted (`fp8_filter`): the nn.Linear of the attention and MLP projections (dense MLPs and shared
