@@ -306,16 +306,22 @@ async def _next(out: asyncio.Queue, request, deadline: float):
             request.state.poll_at = now + _POLL_S
             if await request.is_disconnected():
                 return None
+        if not out.empty():  # already there (the common case when streaming): no wait_for, whose timer and task
+            return _checked(out.get_nowait())  # cost more than the token's own chunk
         try:
-            item = await asyncio.wait_for(out.get(), timeout=min(left, _POLL_S))
+            return _checked(await asyncio.wait_for(out.get(), timeout=min(left, _POLL_S)))
         except asyncio.TimeoutError:
             continue
-        if isinstance(item, HTTPError):  # the server's own answer (the drain ran out of time)
-            raise item
-        if isinstance(item, BaseException):
-            raise HTTPError(400 if isinstance(item, UserError) else 500, str(item),
-                            "invalid_request_error" if isinstance(item, UserError) else "server_error")
-        return item
+
+
+def _checked(item):
+    """A queue item as the handler uses it: (choice, Delta), or the HTTPError that the engine's failure means."""
+    if isinstance(item, HTTPError):  # the server's own answer (the drain ran out of time)
+        raise item
+    if isinstance(item, BaseException):
+        raise HTTPError(400 if isinstance(item, UserError) else 500, str(item),
+                        "invalid_request_error" if isinstance(item, UserError) else "server_error")
+    return item
 
 
 async def _stream(state: ServerState, request, out, render, ids, deadline):
@@ -324,18 +330,26 @@ async def _stream(state: ServerState, request, out, render, ids, deadline):
         yield from_json(render.first_chunk()) if render.chat else ""
         done = 0
         while done < len(ids):
+            # This item's chunk and those of whatever else already waits (the handler fell behind, or n > 1) go out
+            # in one write, not one per token; the client parses the same SSE events.
+            text = []
             try:
                 item = await _next(out, request, deadline)
+                gone = item is None  # the client went away
+                while item is not None:
+                    index, delta = item
+                    done += delta.finished
+                    chunk = render.chunk(index, delta)
+                    if chunk is not None:
+                        text.append(from_json(chunk))
+                    item = _checked(out.get_nowait()) if done < len(ids) and not out.empty() else None
             except HTTPError as e:
-                yield from_json(error_body(e.message, e.type, e.param, e.status))
+                yield "".join(text) + from_json(error_body(e.message, e.type, e.param, e.status))
                 break
-            if item is None:
+            if gone:
                 break
-            index, delta = item
-            done += delta.finished
-            chunk = render.chunk(index, delta)
-            if chunk is not None:
-                yield from_json(chunk)
+            if text:
+                yield "".join(text)
         else:
             usage = render.usage_chunk()
             if usage is not None:

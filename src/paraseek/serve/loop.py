@@ -42,6 +42,8 @@ class EngineLoop:
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self.pending = 0  # submitted, not yet seen by the engine thread
+        self._engine_thread: int | None = None
+        self._gathered: dict | None = None  # loop -> [(fn, arg)] of the step being delivered (engine thread only)
 
     def run(self) -> None:
         """The loop, on the calling thread (the one that built the engine) until stop()."""
@@ -64,9 +66,18 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
 
         def emit(item) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, (tag, item) if isinstance(item, Delta) else item)
+            self._post(loop, out.put_nowait, (tag, item) if isinstance(item, Delta) else item)
 
         self.submit_to(request_id, prompt_ids, params, emit)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, fn, arg) -> None:
+        """fn(arg) on `loop`'s thread. A step's deliveries (on the engine thread) are gathered and posted at once:
+        one wake-up of the HTTP loop per step, not one per streaming request, so that at 32+ streams the engine
+        thread does not spend its step writing to the loop's self-pipe while the HTTP side holds the GIL."""
+        if self._gathered is not None and threading.get_ident() == self._engine_thread:
+            self._gathered.setdefault(loop, []).append((fn, arg))
+        else:
+            loop.call_soon_threadsafe(fn, arg)
 
     def submit_to(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit) -> None:
         """Queue a request whose Deltas (or the exception that failed it) go to `emit`, from the engine thread."""
@@ -90,13 +101,20 @@ class EngineLoop:
     # ---- the engine thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        self._engine_thread = threading.get_ident()
         try:
             while not self._stop.is_set():
                 self._drain(block=not engine.has_work())
                 if not engine.has_work():
                     continue
-                for req in engine.step():
-                    self._deliver(req)
+                self._gathered = {}
+                try:
+                    for req in engine.step():
+                        self._deliver(req)
+                finally:
+                    gathered, self._gathered = self._gathered, None
+                    for loop, calls in gathered.items():
+                        loop.call_soon_threadsafe(_call_all, calls)
         except BaseException as e:  # the server answers 500/503 from here on and says why
             self.error = e
             for emit in list(self._outputs.values()):
@@ -144,6 +162,11 @@ class EngineLoop:
         emit(Delta([req.last_token_id], req.stream.delta if req.stream is not None else "", finished,
                    req.finish_reason, req.logprobs[n - 1:] if n and req.params.logprobs is not None else [],
                    req.top_logprobs[n - 1:] if n and req.params.logprobs is not None else [], timing))
+
+
+def _call_all(calls: list) -> None:
+    for fn, arg in calls:
+        fn(arg)
 
 
 def now() -> int:
