@@ -23,6 +23,55 @@ def run_train(*argv: str, cwd: Path, check: bool = True) -> subprocess.Completed
     return r
 
 
+_REFUSALS = """
+import json, os, sys, tempfile, traceback, warnings
+from paraseek.cli import main
+results = []
+for argv, cwd in json.loads(sys.argv[1]):
+    os.chdir(cwd)
+    os.environ["PARASEEK_CACHE"] = os.path.join(cwd, "cache")
+    getattr(warnings, "_filters_mutated", lambda: None)()  # every warning prints again, as in a fresh process
+    # The case's own stdout and stderr at the file-descriptor level: what torch's C++ side writes is caught too.
+    files = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    saved = [os.dup(1), os.dup(2)]
+    for fd, f in zip((1, 2), files):
+        os.dup2(f.fileno(), fd)
+    try:
+        code = main(["train", *argv])  # what `python -m paraseek train ARGV` runs: raise SystemExit(main())
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+        traceback.print_exc()  # as the interpreter prints an exception that escapes
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, old in zip((1, 2), saved):
+        os.dup2(old, fd)
+        os.close(old)
+    out, err = (f.seek(0) or f.read() for f in files)
+    results.append([code, out, err])
+with open(sys.argv[2], "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_train_refusals(runs: list[tuple[list[str], Path]]) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `paraseek train ARGV` run in folder CWD for each (argv, cwd) that the parent
+    must refuse before any worker starts, all in one Python process (one torch import instead of one per case): each
+    goes through paraseek.cli.main as `python -m paraseek` does, in its folder (PARASEEK_CACHE=CWD/cache, as
+    run_train sets it), with its own stdout and stderr (file descriptors 1 and 2); an exception that escapes main is
+    printed with its traceback, as the interpreter would."""
+    import tempfile
+
+    env = dict(os.environ, PYTHONPATH=SRC)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "results.json"
+        r = subprocess.run([sys.executable, "-c", _REFUSALS, json.dumps([[list(a), str(c)] for a, c in runs]),
+                            str(out)], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [tuple(row) for row in json.loads(out.read_text())]
+
+
 def step_losses(jsonl: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "event" not in r}

@@ -2,6 +2,7 @@
 a checkpoint written by 2, through torch DCP's resharding); an HF export loads in transformers with our logits;
 PowerSGD compression converges next to plain DDP."""
 
+import shutil
 
 import pytest
 import torch
@@ -19,12 +20,23 @@ def uninterrupted(tmp_path_factory):
     return root, init, step_losses(root / "full.jsonl")
 
 
+@pytest.fixture(scope="module")
+def stopped_at_4(uninterrupted, tmp_path_factory):
+    """The first leg of the resume tests: the same run stopped after step 4 (2 ranks), its checkpoint folder. Each
+    test resumes from a copy of it (the run is the same for all of them, so it is run once)."""
+    _, init, _ = uninterrupted
+    root = tmp_path_factory.mktemp("stopped")
+    run_train(*EXACT, "--init-from", str(init), "--micro-batch-size", "2", "--checkpoint-dir", "ck", "--steps", "4",
+              "--nproc", "2", "--metrics-jsonl", "a.jsonl", cwd=root)
+    assert (root / "ck" / "latest").read_text().strip() == "step-000004"
+    return root / "ck"
+
+
 @pytest.mark.parametrize("resume_nproc", ["2", "4"])
-def test_resume_continues_the_same_curve(uninterrupted, tmp_path, resume_nproc):
+def test_resume_continues_the_same_curve(uninterrupted, stopped_at_4, tmp_path, resume_nproc):
     root, init, full = uninterrupted
     common = [*EXACT, "--init-from", str(init), "--micro-batch-size", "2", "--checkpoint-dir", "ck"]
-    run_train(*common, "--steps", "4", "--nproc", "2", "--metrics-jsonl", "a.jsonl", cwd=tmp_path)
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000004"
+    shutil.copytree(stopped_at_4, tmp_path / "ck")
     r = run_train(*common, "--steps", "8", "--nproc", resume_nproc, "--resume", "--metrics-jsonl", "b.jsonl",
                   cwd=tmp_path)
     assert "resumed from" in r.stdout
@@ -34,15 +46,15 @@ def test_resume_continues_the_same_curve(uninterrupted, tmp_path, resume_nproc):
     assert_same_losses(resumed, {s: full[s] for s in (5, 6, 7, 8)}, rtol=1e-6 if resume_nproc == "2" else 1e-4)
 
 
-def test_interrupted_save_keeps_the_last_good_checkpoint(uninterrupted, tmp_path):
+def test_interrupted_save_keeps_the_last_good_checkpoint(uninterrupted, stopped_at_4, tmp_path):
     root, init, _ = uninterrupted
     common = [*EXACT, "--init-from", str(init), "--nproc", "2", "--micro-batch-size", "2", "--checkpoint-dir", "ck"]
-    run_train(*common, "--steps", "2", cwd=tmp_path)
-    # A save that died half-way leaves only a .tmp folder; resume must ignore it and use step 2.
-    (tmp_path / "ck" / "step-000004.tmp").mkdir()
-    (tmp_path / "ck" / "step-000004.tmp" / "garbage").write_text("partial")
-    r = run_train(*common, "--steps", "3", "--resume", cwd=tmp_path)
-    assert "resumed from ck/step-000002 at step 2" in r.stdout
+    shutil.copytree(stopped_at_4, tmp_path / "ck")  # a run that saved step 4 (the resume tests' first leg)
+    # A save that died half-way leaves only a .tmp folder; resume must ignore it and use step 4.
+    (tmp_path / "ck" / "step-000006.tmp").mkdir()
+    (tmp_path / "ck" / "step-000006.tmp" / "garbage").write_text("partial")
+    r = run_train(*common, "--steps", "5", "--resume", cwd=tmp_path)
+    assert "resumed from ck/step-000004 at step 4" in r.stdout
 
 
 def test_export_hf_loads_in_transformers_with_our_logits(uninterrupted, tmp_path):

@@ -34,10 +34,16 @@ EP_PLANS = {
 STEPS = ["--steps", "6"]
 
 
+_REFERENCES: dict[str, tuple] = {}  # model -> (init, ref_for): shared by the plan and the expert-parallel tests
+
+
 def _references(model: str, tmp_path_factory):
     """Single-process runs (1 rank, gradient accumulation over the whole global batch), one per micro-batch size:
     the same micro-batch shapes keep fp32 matmul blocking identical, so that MoE routing cannot flip on a 1e-7
-    difference and the comparison isolates the data-parallel plan."""
+    difference and the comparison isolates the data-parallel plan. Computed once per model and micro-batch size
+    for the module (tiny-moe's serve both test functions: the same seed checkpoint, flags and data)."""
+    if model in _REFERENCES:
+        return _REFERENCES[model]
     root = tmp_path_factory.mktemp(model)
     init = seed_checkpoint(model, root / "init")
     refs: dict[str, dict[int, float]] = {}
@@ -49,7 +55,8 @@ def _references(model: str, tmp_path_factory):
             refs[micro_batch] = step_losses(root / f"ref{micro_batch}.jsonl")
         return refs[micro_batch]
 
-    return init, ref_for
+    _REFERENCES[model] = init, ref_for
+    return _REFERENCES[model]
 
 
 @pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])

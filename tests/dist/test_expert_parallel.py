@@ -136,9 +136,53 @@ def ep_only(rank: int, world: int, root: Path, folder: str) -> dict:
             "ac_equal": ac_equal, "tokens_per_expert": [m.tokens_per_expert.clone() for m in moe_layers(model)]}
 
 
+# ---- one process group per world size: processes start slowly, so each spawn runs every check of its size ---------
+def _each(rank: int, world: int, root: Path, folder: str, checks: dict) -> dict:
+    """Run checks {name: (fn, kwargs)} one after the other in this process group, each in a folder of its own; a
+    failing check's result is its traceback (every rank runs the same code on the same data), so the others still
+    run and each test reports only its own."""
+    import traceback
+
+    out = {}
+    for name, (fn, kwargs) in checks.items():
+        sub = root / name
+        sub.mkdir(exist_ok=True)
+        try:
+            out[name] = fn(rank, world, root=sub, folder=folder, **kwargs)
+        except Exception:
+            out[name] = traceback.format_exc()
+        dist.barrier()
+    return out
+
+
+BALANCING = dict(steps=20, gamma=0.01, skewed=0, push=30.0)
+
+
+@pytest.fixture(scope="module")
+def on_2_ranks(seed_folder, tmp_path_factory) -> list[dict]:
+    """EP alone over 2 ranks and the balancing run, in one spawn of 2 processes."""
+    root = tmp_path_factory.mktemp("ep2")
+    return spawn(_each, 2, root, root=root, folder=str(seed_folder),
+                 checks={"ep_only": (ep_only, {}), "balancing": (balancing, BALANCING)})
+
+
+@pytest.fixture(scope="module")
+def on_4_ranks(seed_folder, tmp_path_factory) -> list[dict]:
+    """EP alone over 4 ranks and EP x FSDP2 in the engine's layouts, in one spawn of 4 processes."""
+    root = tmp_path_factory.mktemp("ep4")
+    return spawn(_each, 4, root, root=root, folder=str(seed_folder),
+                 checks={"ep_only": (ep_only, {}), "ep_fsdp": (ep_fsdp, {})})
+
+
+def _results(outs: list[dict], name: str) -> list:
+    for rank, out in enumerate(outs):
+        assert not isinstance(out[name], str), f"{name}, rank {rank}:\n{out[name]}"
+    return [out[name] for out in outs]
+
+
 @pytest.mark.parametrize("ep", [2, 4])
-def test_ep_gradients_equal_single_process(ep, seed_folder, tmp_path):
-    outs = spawn(ep_only, ep, tmp_path, root=tmp_path, folder=str(seed_folder))
+def test_ep_gradients_equal_single_process(ep, request):
+    outs = _results(request.getfixturevalue(f"on_{ep}_ranks"), "ep_only")
     for rank, out in enumerate(outs):
         assert abs(out["loss"] - out["ref_loss"]) <= RTOL * abs(out["ref_loss"]), (rank, out["loss"], out["ref_loss"])
         assert out["n_local"] == 8 // ep
@@ -202,11 +246,11 @@ def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
     return {"ref_loss": ref_loss, "ref_norm": ref_norm, "layouts": results}
 
 
-def test_ep_with_fsdp_equals_single_process(seed_folder, tmp_path):
+def test_ep_with_fsdp_equals_single_process(on_4_ranks):
     """4 ranks: FSDP2 over 4 with ep 2 and ep 4, HSDP 2x2 with ep 2 (the experts then replicated over dp_replicate,
     one EP group per replica); loss, every gradient and the global gradient norm as one process computes them;
     a checkpoint of one layout resumes in the next."""
-    out = spawn(ep_fsdp, 4, tmp_path, root=tmp_path, folder=str(seed_folder))[0]
+    out = _results(on_4_ranks, "ep_fsdp")[0]
     for layout, got in out["layouts"].items():
         assert abs(got["loss"] - out["ref_loss"]) <= RTOL * abs(out["ref_loss"]), (layout, got["loss"], out["ref_loss"])
         worst = max(got["errors"].items(), key=lambda kv: kv[1])
@@ -264,9 +308,9 @@ def balancing(rank: int, world: int, root: Path, folder: str, steps: int, gamma:
             "rule_delta": after - before}
 
 
-def test_balancing_bias_brings_load_down(seed_folder, tmp_path):
+def test_balancing_bias_brings_load_down(on_2_ranks):
     """EP over 2 ranks, 20 steps of two micro-batches, V3's rule with gamma 0.01 on a router skewed towards expert 0."""
-    outs = spawn(balancing, 2, tmp_path, root=tmp_path, folder=str(seed_folder), steps=20, gamma=0.01, skewed=0, push=30.0)
+    outs = _results(on_2_ranks, "balancing")
     history = [h["expert_load_max_over_mean"] for h in outs[0]["history"]]
     assert history[0] > 2.4, history  # the skew worked: expert 0 takes most tokens (4.0 = every token, 1.0 = even)
     assert max(history[-5:]) < 0.6 * history[0], history

@@ -52,13 +52,25 @@ def _generate(folder: Path, tmp: Path, *extra: str) -> list[list[int]]:
     return [row["token_ids"] for row in rows]
 
 
+_SINGLE: dict[str, tuple[Path, list[list[int]]]] = {}
+
+
+def _single(name: str, cfg: dict | None, tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    """The model folder of `name` and its tokens from one process (--tp 1 --dp 1), made once for the module: the tp
+    and the dp test of a model compare with the same run."""
+    if name not in _SINGLE:
+        tmp = tmp_path_factory.mktemp(name)
+        folder = _folder(tmp, name, cfg)
+        _SINGLE[name] = folder, _generate(folder, tmp)
+    return _SINGLE[name]
+
+
 @pytest.mark.parametrize("name,cfg", [("gqa-tied", GQA), ("one-kv-head", KV1), ("tiny-moe-mla", None)])
-def test_tp2_equals_tp1(name, cfg, tmp_path):
-    folder = _folder(tmp_path, name, cfg)
-    one = _generate(folder, tmp_path)
+def test_tp2_equals_tp1(name, cfg, tmp_path, tmp_path_factory):
+    folder, one = _single(name, cfg, tmp_path_factory)
     assert _generate(folder, tmp_path, "--tp", "2") == one
 
 
-def test_dp2_equals_dp1(tmp_path):
-    folder = _folder(tmp_path, "gqa", GQA)
-    assert _generate(folder, tmp_path, "--dp", "2") == _generate(folder, tmp_path)
+def test_dp2_equals_dp1(tmp_path, tmp_path_factory):
+    folder, one = _single("gqa-tied", GQA, tmp_path_factory)
+    assert _generate(folder, tmp_path, "--dp", "2") == one

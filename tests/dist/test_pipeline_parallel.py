@@ -14,7 +14,7 @@ import pytest
 import torch
 import json
 
-from dist_helpers import EXACT, assert_same_losses, run_train, seeded_model, step_losses
+from dist_helpers import EXACT, assert_same_losses, run_train, run_train_refusals, seeded_model, step_losses
 
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
@@ -141,12 +141,14 @@ def test_export_under_pp_has_every_stage(reference, tmp_path):
 
 
 def test_bad_pipeline_plans_fail_in_one_line(tmp_path):
-    for plan, words in [(("--pp", "2", "--pp-schedule", "Bogus"), "--pp-schedule must be one of"),
-                        (("--pp", "2", "--pp-virtual-stages", "2", "--pp-schedule", "1F1B"), "one stage per rank"),
-                        (("--pp", "4", "--nproc", "4"), "4 stages, but the model has 3 layers"),
-                        (("--pp", "2", "--global-batch-size", "1"), "at least 2 micro-batches"),
-                        (("--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--compile"), "torch.compile")]:
-        argv = [*EXACT, "--model", "tiny-moe", "--nproc", "2", "--steps", "1", *plan]
-        r = run_train(*argv, cwd=tmp_path, check=False)
-        assert r.returncode == 2, (plan, r.stderr)
-        assert words in r.stderr and "Traceback" not in r.stderr, (plan, r.stderr)
+    cases = [(("--pp", "2", "--pp-schedule", "Bogus"), "--pp-schedule must be one of"),
+             (("--pp", "2", "--pp-virtual-stages", "2", "--pp-schedule", "1F1B"), "one stage per rank"),
+             (("--pp", "4", "--nproc", "4"), "4 stages, but the model has 3 layers"),
+             (("--pp", "2", "--global-batch-size", "1"), "at least 2 micro-batches"),
+             (("--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--compile"), "torch.compile")]
+    # All refused in the launcher's process, before any worker: one process runs the five commands one by one.
+    results = run_train_refusals([([*EXACT, "--model", "tiny-moe", "--nproc", "2", "--steps", "1", *plan], tmp_path)
+                                  for plan, _ in cases])
+    for (plan, words), (code, _, stderr) in zip(cases, results, strict=True):
+        assert code == 2, (plan, stderr)
+        assert words in stderr and "Traceback" not in stderr, (plan, stderr)

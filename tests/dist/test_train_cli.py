@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from dist_helpers import run_train
+from dist_helpers import run_train_refusals
 
 from paraseek.models import preset_config
 
@@ -31,18 +31,35 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + ["tokenizer vocab"])
-def test_bad_input(case, tmp_path):
-    if case == "tokenizer vocab":
-        argv, message = ["--model", _small_vocab_model(tmp_path / "m"), "--data",
-                         str(__import__("paraseek.train.data", fromlist=["x"]).BUNDLED_CORPUS)], "vocab_size is 1,000"
-    else:
-        argv, message = CASES[case]
-    before = set(tmp_path.rglob("*"))
-    r = run_train("--device", "cpu", "--steps", "2", "--seq-len", "16", *argv, "--metrics-jsonl", "m.jsonl",
-                  "--checkpoint-dir", "ck", "--tensorboard", "tb", cwd=tmp_path, check=False)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
+ALL = sorted(CASES) + ["tokenizer vocab"]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple]:
+    """Every case's command in a folder of its own, run one after the other in one process (each is refused by the
+    launcher before any worker starts; one torch import for all): case -> (folder, files before, exit code, stdout,
+    stderr)."""
+    runs, before = {}, {}
+    for case in ALL:
+        folder = tmp_path_factory.mktemp("bad-input")
+        if case == "tokenizer vocab":
+            argv = ["--model", _small_vocab_model(folder / "m"), "--data",
+                    str(__import__("paraseek.train.data", fromlist=["x"]).BUNDLED_CORPUS)]
+        else:
+            argv = CASES[case][0]
+        before[case] = set(folder.rglob("*"))
+        runs[case] = (["--device", "cpu", "--steps", "2", "--seq-len", "16", *argv, "--metrics-jsonl", "m.jsonl",
+                       "--checkpoint-dir", "ck", "--tensorboard", "tb"], folder)
+    results = run_train_refusals(list(runs.values()))
+    return {case: (runs[case][1], before[case], *result) for case, result in zip(ALL, results, strict=True)}
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_bad_input(case, refused):
+    message = "vocab_size is 1,000" if case == "tokenizer vocab" else CASES[case][1]
+    tmp_path, before, returncode, stdout, stderr = refused[case]
+    assert returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], stderr
+    assert "Traceback" not in stderr + stdout
     assert set(tmp_path.rglob("*")) - before <= {tmp_path / "cache"} | set((tmp_path / "cache").rglob("*"))
