@@ -7,7 +7,8 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, stress, hf (HF generate
 on the same requests, 8B and 1.5B; hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
 `paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), serve2048 (its concurrency 32 and
-64 points with --max-batched-tokens 2048), profile
+64 points with --max-batched-tokens 2048), serve_profile (the server's CPU per streamed token by thread, and py-spy's
+samples at concurrency 32: carry py-spy's wheel in .whl), profile
 (scripts/gpu/decode_profile.py variants).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
@@ -164,7 +165,47 @@ def group_serve2048(out: Path, anchors: str) -> list[dict]:
                   [["--max-concurrency", "32", "--sweep", "32,64", "--num-prompts", "128", "--seed", "4"]])
 
 
-def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]]) -> list[dict]:
+def group_serve_profile(out: Path, anchors: str) -> list[dict]:
+    """Where the server's time goes at concurrency 32 (the serve group's lengths): each server thread's CPU seconds
+    per streamed token (from /proc), and py-spy's samples of the server by thread and function (py-spy from the
+    carried wheels, if there)."""
+    return _serve(out, [], [["--max-concurrency", "32", "--num-prompts", "256", "--seed", "8"]], profile=True)
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of `pid`: the main thread (HTTP, asyncio) apart from all the others (the engine
+    thread and torch's)."""
+    tck, cpu = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        name = "main thread (HTTP)" if int(tid) == pid else "other threads (engine, torch)"
+        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tck
+    return cpu
+
+
+def _pyspy_digest(raw: Path, top: int = 25) -> list[str]:
+    """py-spy's raw (collapsed) stacks: samples per thread, then the frames most often on the stack per thread."""
+    from collections import Counter
+
+    threads, frames, leaves = Counter(), Counter(), Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        parts = stack.split(";")
+        threads[parts[0]] += int(n)
+        leaves[(parts[0], parts[-1])] += int(n)
+        for f in set(parts[1:]):
+            frames[(parts[0], f)] += int(n)
+    lines = [f"{n} samples: {t}" for t, n in threads.most_common()]
+    for t, total in threads.most_common(2):
+        # inclusive, without the frames under which the thread always is (its entry point), then self time
+        lines += [f"  {t[:40]} incl {n} {f}" for (tt, f), n in frames.most_common()
+                  if tt == t and n < 0.95 * total][:top]
+        lines += [f"  {t[:40]} self {n} {f}" for (tt, f), n in leaves.most_common() if tt == t][:top]
+    return lines
+
+
+def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]], profile: bool = False) -> list[dict]:
+    import shutil
     import signal
     import urllib.request
 
@@ -188,11 +229,30 @@ def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]]) -> 
     if ready:
         common = ["--input-len", "512", "--output-len", "128", "--json", "--model", "llama8b"]
         for flags in bench_flags:
+            spy = shutil.which("py-spy") or next((str(p) for p in Path("/tmp/site/bin").glob("py-spy")), None)
+            if profile and spy:
+                spy = subprocess.Popen([spy, "record", "--pid", str(server.pid), "--threads", "--format", "raw",
+                                        "--rate", "200", "-o", str(out / "serve-pyspy.raw")],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cpu0 = _thread_cpu_s(server.pid) if profile else {}
             rc, text = sh([PY, "-m", "paraseek", "bench-serve", url, *common, *flags], 240)
+            cpu1 = _thread_cpu_s(server.pid) if profile else {}
             try:
                 runs += json.loads(text[text.find("{"):text.rfind("}") + 1])["runs"]
             except (json.JSONDecodeError, KeyError):
                 results.append({"name": "bench-serve", "rc": rc, "summary": text.strip().splitlines()[-1][:200]})
+            if profile and runs:
+                tokens = runs[-1]["output_throughput"] * runs[-1]["duration_s"]
+                per_token = {k: 1e3 * (cpu1[k] - cpu0.get(k, 0.0)) / tokens for k in cpu1}
+                results.append({"name": "serve CPU ms per streamed token", "rc": rc, "summary": "; ".join(
+                    f"{k}: {v:.3f}" for k, v in per_token.items())})
+            if profile and isinstance(spy, subprocess.Popen):
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(30)
+                raw = out / "serve-pyspy.raw"
+                if raw.exists():
+                    (out / "serve-pyspy.txt").write_text("\n".join(_pyspy_digest(raw)))
+                    raw.unlink()  # large; the digest is what comes back
     server.send_signal(signal.SIGTERM)
     try:
         code = server.wait(90)
