@@ -143,16 +143,17 @@ def group_hfv2(out: Path, anchors: str) -> list[dict]:
     return [hf(out, "hf-v2lite", "--preset", V2LITE, "--batch", "64", "--fixed", "2048:16", timeout=200)]
 
 
-def group_serve(out: Path, anchors: str) -> list[dict]:
+def group_serve(out: Path, anchors: str, server_flags: tuple[str, ...] = (), seed: int = 1) -> list[dict]:
     """`paraseek serve` (8B shape, random weights) under `paraseek bench-serve`: concurrency 1, 8, 32, 64 and a
     request-rate sweep, 512-token prompts and 128 output tokens; then SIGTERM and its exit code."""
     # A seed per invocation (each sweep point draws its own prompts too): no run finds another's prompts in
     # the server's prefix cache; each run reports the hit rate it got.
-    results = _serve(out, [], [["--max-concurrency", "1", "--num-prompts", "8", "--seed", "1"],
-                               ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128", "--seed", "2",
-                                "--plot", str(out / "serve-concurrency.png")],
-                               ["--sweep", "8,32", "--num-prompts", "128", "--slo-ttft-ms", "250", "--slo-tpot-ms",
-                                "50", "--seed", "3"]])
+    results = _serve(out, list(server_flags),
+                     [["--max-concurrency", "1", "--num-prompts", "8", "--seed", str(seed)],
+                      ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128", "--seed",
+                       str(seed + 1), "--plot", str(out / "serve-concurrency.png")],
+                      ["--sweep", "8,32", "--num-prompts", "128", "--slo-ttft-ms", "250", "--slo-tpot-ms",
+                       "50", "--seed", str(seed + 2)]])
     # The engine offline at the same concurrency and lengths: what the server's throughput is compared with.
     results.append(bench(out, "offline-c32", LLAMA, "--workloads", "throughput", "--num-requests", "128",
                          "--input-len", "512", "--output-len", "128", "--max-num-seqs", "32"))
@@ -160,9 +161,9 @@ def group_serve(out: Path, anchors: str) -> list[dict]:
 
 
 def group_serve2048(out: Path, anchors: str) -> list[dict]:
-    """The serve group's concurrency 32 and 64 points with 2048 tokens per step instead of 8192."""
-    return _serve(out, ["--max-batched-tokens", "2048"],
-                  [["--max-concurrency", "32", "--sweep", "32,64", "--num-prompts", "128", "--seed", "4"]])
+    """The serve group with 2048 tokens per step instead of 8192 (new seeds: nothing in the cache from a run
+    before)."""
+    return group_serve(out, anchors, ("--max-batched-tokens", "2048"), seed=11)
 
 
 def group_serve_profile(out: Path, anchors: str) -> list[dict]:
