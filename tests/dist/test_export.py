@@ -59,3 +59,27 @@ def test_export_refuses_bad_input_with_one_line(checkpoint, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_train_export_hf_and_export_keep_the_runs_tokenizer_and_chat_template(tmp_path):
+    """train's --export-hf writes the tokenizer it trained with, as `paraseek export` does, and a run's
+    --chat-template (not its tokenizer folder's) is the template both folders carry; `generate` on the exported
+    folder renders a chat with it."""
+    from chat_corpus import TEMPLATES, chat_corpus
+    from paraseek.models.tokenizer import load_text_tokenizer
+
+    chat_corpus(tmp_path)
+    template = TEMPLATES / "deepseek_r1_distill_qwen.jinja"  # the tok folder's is deepseek-llm-7b-chat's
+    run_train("--model", "tiny-dense", "--nproc", "1", "--device", "cpu", "--steps", "1", "--seq-len", "64",
+              "--global-batch-size", "2", "--data", "chat.jsonl", "--tokenizer", "tok", "--chat-template",
+              str(template), "--checkpoint-dir", "ckpt", "--export-hf", "hf", cwd=tmp_path)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
+    want = template.read_text(encoding="utf-8")
+    ours = load_text_tokenizer(tmp_path / "tok", template)
+    for folder in (tmp_path / "hf", tmp_path / "exported"):
+        tok = load_text_tokenizer(folder)
+        assert tok.chat_template == want, folder
+        config = json.loads((folder / "config.json").read_text())
+        assert (config["bos_token_id"], config["eos_token_id"]) == (ours.bos_token_id, ours.eos_token_id)
+        messages = [{"role": "user", "content": "the devil"}]
+        assert tok.apply_chat_template(messages) == ours.apply_chat_template(messages)

@@ -298,7 +298,7 @@ def load_tokenizer(src):
         return None
     from paraseek.models.tokenizer import load_text_tokenizer
 
-    return load_text_tokenizer(src.tokenizer)
+    return load_text_tokenizer(src.tokenizer, src.chat_template)
 
 
 # ---- generate -------------------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ class ModelSource:
     # A checkpoint of a LoRA run: its adapters, trained on the frozen base `base` (the run's --init-from folder).
     lora: LoRASpec | None = None
     base: Path | None = None
+    # A checkpoint's run trained with this --chat-template file (None: the tokenizer folder's template).
+    chat_template: Path | None = None
 
 
 def _checkpoint_step(folder: Path) -> Path | None:
@@ -95,7 +97,10 @@ def _from_checkpoint(spec: str, step: Path, tok: Path | None) -> ModelSource:
         else:
             why = "none (trained on synthetic tokens): token-id prompts only"
     lora = lora_spec(cfg.get("lora_rank", 0), cfg.get("lora_alpha", 0.0), cfg.get("lora_targets", ""), args, model_spec)
-    return ModelSource("checkpoint", spec, args, step, tok, why, lora, folder)
+    template = Path(cfg["chat_template"]) if cfg.get("chat_template") and tok is not None else None
+    if template is not None and not template.is_file():
+        raise UserError(f"{step}: its run's --chat-template {template} is gone; the checkpoint's chat format needs it")
+    return ModelSource("checkpoint", spec, args, step, tok, why, lora, folder, template)
 
 
 def load_model(src: ModelSource, *, dtype, device, seed: int = 0):

@@ -67,7 +67,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             raise UserError("--chat-template needs a tokenizer; this model has none")
         from paraseek.models.tokenizer import load_text_tokenizer
 
-        tokenizer = load_text_tokenizer(src.tokenizer, chat_template=ns.chat_template)
+        tokenizer = load_text_tokenizer(src.tokenizer, chat_template=ns.chat_template or src.chat_template)
     defaults, why = generation_defaults(src)
     if ns.tp * ns.dp > 1 and os.environ.get(_WORKER_ENV) != "1":
         return spawn(ns.tp * ns.dp, ns.argv)

@@ -53,14 +53,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     src = _from_checkpoint(str(folder), step_dir, None)
     _check_lora_choice(src, step_dir, merge_lora, export_adapter)
-    tok = None
-    if src.tokenizer is not None:
-        from paraseek.models.tokenizer import load_text_tokenizer
-
-        tok = load_text_tokenizer(src.tokenizer)
-        if tok.vocab_size > src.args.vocab_size:
-            raise UserError(f"the tokenizer {src.tokenizer} has {tok.vocab_size:,} tokens but the model's vocabulary "
-                            f"is {src.args.vocab_size:,}: it is not the model's tokenizer")
+    tok = model_tokenizer(src.tokenizer, src.args, src.chat_template) if src.tokenizer is not None else None
     if export_adapter:
         from paraseek.infer.load import read_adapters
         from paraseek.models.lora import save_peft_adapter
@@ -70,19 +63,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
         save_peft_adapter(read_adapters(src), src.args, src.lora, out, base_model=str(src.base.resolve()),
                           dtype=torch_dtype)
         if tok is not None:
-            _write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len)
+            _write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len, src.chat_template is not None)
         return out
     merged = " with its LoRA adapters merged" if src.lora else ""
     log(f"export: {step_dir} ({src.args.model_type}, {dtype}){merged} -> {out}; tokenizer: {src.tokenizer_why}")
     model = _load_checkpoint(src, torch.float32, "cpu").to(torch_dtype)
     save_pretrained(model, out)
     if tok is not None:
-        _write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len)
-        config = json.loads((out / "config.json").read_text())
-        config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.stop_token_ids or tok.eos_token_id}
-        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len, src.chat_template is not None)
     else:
         log("export: the run trained on synthetic tokens and has no tokenizer; the folder holds the model only")
     return out
@@ -101,7 +89,31 @@ def _check_lora_choice(src, step_dir: Path, merge_lora: bool, export_adapter: bo
                         "PEFT adapter folder")
 
 
-def _write_tokenizer(source: Path, tok, out: Path, max_len: int) -> None:
+def model_tokenizer(source: str | Path, args, chat_template: str | None = None):
+    """The tokenizer a run trained with (its --chat-template replacing the folder's, if it had one), refused when it
+    has more tokens than the model's vocabulary."""
+    from paraseek.models.tokenizer import load_text_tokenizer
+
+    tok = load_text_tokenizer(source, chat_template or None)
+    if tok.vocab_size > args.vocab_size:
+        raise UserError(f"the tokenizer {source} has {tok.vocab_size:,} tokens but the model's vocabulary is "
+                        f"{args.vocab_size:,}: it is not the model's tokenizer")
+    return tok
+
+
+def write_tokenizer(source: Path, tok, out: Path, max_len: int, replaced_template: bool = False) -> None:
+    """Beside an exported model's weights: the tokenizer's files, and bos/eos ids in config.json and
+    generation_config.json that agree with it (both writers of HF folders, `paraseek export` and train's
+    --export-hf, call this)."""
+    _write_tokenizer(source, tok, out, max_len, replaced_template)
+    config = json.loads((out / "config.json").read_text())
+    config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.stop_token_ids or tok.eos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _write_tokenizer(source: Path, tok, out: Path, max_len: int, replaced_template: bool = False) -> None:
     """Copy the tokenizer's files; a bare tokenizer.json gets a tokenizer_config.json naming its special tokens, so
     that transformers' AutoTokenizer uses it as it is (PreTrainedTokenizerFast) with the same bos/eos."""
     folder = source if source.is_dir() else source.parent
@@ -113,6 +125,11 @@ def _write_tokenizer(source: Path, tok, out: Path, max_len: int) -> None:
             if (folder / name).is_file():
                 shutil.copy(folder / name, out / name)
                 copied = copied or name == "tokenizer_config.json"
+    if copied and replaced_template:  # the run's --chat-template, not the folder's, is the model's chat format
+        config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config["chat_template"] = tok.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        (out / "chat_template.jinja").unlink(missing_ok=True)  # transformers 5 would prefer it to the config's
     if not copied:
         name = tok.tok.id_to_token
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}

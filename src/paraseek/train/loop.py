@@ -161,6 +161,12 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
             # An HF folder holds plain weights: LoRA's adapters are merged into them (paraseek export
             # --export-adapter writes them apart, from a checkpoint).
             save_hf_state(merge_state(state, m.lora) if m.lora else state, m.args, cfg.export_hf)
+            if cfg.data != "synthetic":  # the tokenizer it trained with travels with it, as `paraseek export` does
+                from paraseek.train.export import model_tokenizer, write_tokenizer
+
+                tok = model_tokenizer(cfg.tokenizer, m.args, cfg.chat_template)
+                write_tokenizer(Path(cfg.tokenizer), tok, Path(cfg.export_hf), m.args.max_seq_len,
+                                bool(cfg.chat_template))
             print(f"exported an HF folder{' (LoRA merged)' if m.lora else ''} to {Path(cfg.export_hf).resolve()}",
                   flush=True)
         dist.barrier()
@@ -243,8 +249,11 @@ class Run:
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if cfg.checkpoint_dir and (every or step == cfg.steps or self.stop_signal):
             config = dataclasses.asdict(cfg)
-            if self.m.lora:  # the adapters only: the base is read back from --init-from, wherever export runs
-                config["init_from"] = str(Path(cfg.init_from).resolve())
+            # What the checkpoint's readers open wherever they run (export, generate, serve): a LoRA run's base (its
+            # --init-from), the tokenizer and chat template it trained with.
+            for key in ("model", "init_from", "tokenizer", "chat_template"):
+                if config[key] and Path(config[key]).exists():
+                    config[key] = str(Path(config[key]).resolve())
             self.checkpoint = save_checkpoint(
                 cfg.checkpoint_dir, step, self.m.inner, optimizer,
                 {"data": self.loader.state_dict(), "config": config, "lr_schedule": schedule_of(self.schedule)},
