@@ -122,6 +122,42 @@ def test_lora_memory_term_counts_a_real_lora_model():
     assert four["total"] == pytest.approx((4 * frozen + 16 * adapters) / 4)
 
 
+def test_planner_prices_a_lora_run_with_the_lora_states():
+    """`paraseek train --lora-rank` as the planner's Plan (TrainConfig.to_plan): its peak holds the LoRA states
+    (bf16 base, 16 B/param adapters) in place of 16 B/param for the whole model, and nothing else changes."""
+    from paraseek.planner import evaluate, make_cluster
+    from paraseek.planner.memory import lora_state_bytes
+    from paraseek.train.config import TrainConfig
+
+    args, _, _ = resolve_model("deepseek-r1-distill-qwen-1.5b")
+    cluster = make_cluster("H200", 1, gpus_per_node=1)
+    full_cfg = TrainConfig(model="deepseek-r1-distill-qwen-1.5b", micro_batch_size=2, global_batch_size=4,
+                           activation_checkpointing="selective", nproc=1)
+    plan = full_cfg.to_plan()
+    lora = plan.replace(lora=LoRASpec(16, 32.0, model_targets(args)))
+    full, adapted = (evaluate(args, cluster, p, 4096, 4).memory for p in (plan, lora))
+    states = lora_state_bytes(args, lora, lora.lora, seq_len=4096)
+    assert adapted.items["parameters"] == pytest.approx(states["base_params"] + states["params"])
+    assert adapted.items["optimizer_states"] == pytest.approx(states["optimizer"])
+    assert adapted.items["activations"] == full.items["activations"]  # the same tokens through the same layers
+    saved = full.items["parameters"] + full.items["optimizer_states"] - states["total"] + states["grads"]
+    assert full.total - adapted.total == pytest.approx(saved, rel=0.1)  # grads: 4 B/param x 2 micro-batches
+
+
+def test_selective_checkpointing_recomputes_lora_b_and_keeps_the_projections():
+    """LoRA's B ([T, r] @ [r, O]) is recomputed in backward (cheap), so selective checkpointing does not keep a
+    second [T, O] output per adapted projection; the projections' own matmuls stay saved."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from paraseek.parallel.parallelize import _selective_policy
+
+    x_TI, h_TR = torch.zeros(8, 256), torch.zeros(8, 16)
+    assert _selective_policy(None, torch.ops.aten.mm.default, x_TI, torch.zeros(256, 512)) == CheckpointPolicy.MUST_SAVE
+    assert _selective_policy(None, torch.ops.aten.mm.default, x_TI, torch.zeros(256, 16)) == CheckpointPolicy.MUST_SAVE
+    assert _selective_policy(None, torch.ops.aten.mm.default, h_TR, torch.zeros(16, 512)) == \
+        CheckpointPolicy.PREFER_RECOMPUTE
+
+
 @pytest.fixture(scope="module")
 def dense_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dense") / "init"

@@ -474,6 +474,12 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         local = s.dense + s.experts / plan.ep  # params on this rank before FSDP sharding
         owned = _state_elems(s, plan)
         params, grads, optim = FP32 * owned * on_gpu, FP32 * owned * on_gpu, 2 * FP32 * owned * on_gpu
+        trained = owned  # what gradients, AdamW and the optimizer step's temporaries are kept for
+        if plan.lora is not None:  # lora_state_bytes: the base in the compute dtype, 16 B/param for the adapters
+            states = lora_state_bytes(a, plan, plan.lora, stage=r, seq_len=t.seq_len)
+            trained = states["params"] / FP32
+            params = (states["base_params"] + states["params"]) * on_gpu
+            grads, optim = states["grads"] * on_gpu, states["optimizer"] * on_gpu
         # Gathered bf16 compute copies and unsharded grads awaiting reduction.
         if not fsdp:  # DDP + autocast: bf16 casts of every weight live from forward to backward; gradient buckets
             bf16, unreduced = BF16 * local, FP32 * local  # are copies (gradient_as_bucket_view=False, the default)
@@ -486,6 +492,8 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             # bf16 grads of the block being reduced + their fp32 reduce-scatter input; the root's (embedding, head)
             # bf16 grads wait for the end of backward
             unreduced = (BF16 + FP32) * s.block_max + BF16 * s.root
+        if plan.lora is not None:  # only the adapters have gradients (at most all of this rank's, unsharded)
+            unreduced = (BF16 + FP32) * trained * plan.dp_shard
         # Activations: micro-batches in flight x this rank's layers; backward rematerializes one block whole
         # (full) or its elementwise part (selective).
         acts = in_flight(plan, r, m) * tokens * s.act[ac + ("+compile" if plan.compile else "")]
@@ -515,14 +523,14 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             # pipelined: each block's unsharded grads are freed as its sharded ones are written
             "end_of_backward": base + bf16 + (max(grads, unreduced) if pipelined else grads + unreduced),
             "tp_grad_reduce": base + grads + tp_flat,
-            "optimizer_step": base + grads + OPTIM_TEMP_BYTES * owned * on_gpu,
+            "optimizer_step": base + grads + OPTIM_TEMP_BYTES * trained * on_gpu,
         }
         phase = max(moments, key=moments.__getitem__)
         if worst is None or moments[phase] > worst[0]:
             worst = (moments[phase], r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute,
-                                                 logits, dispatch, comm, owned, tp_flat))
+                                                 logits, dispatch, comm, trained, tp_flat))
     peak, r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute, logits, dispatch, comm,
-                     owned, tp_flat) = worst
+                     trained, tp_flat) = worst
     during = phase in ("loss", "backward")  # activations alive
     items = {
         "parameters": params, "gradients": acc if during else grads, "optimizer_states": optim,
@@ -533,7 +541,7 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         "logits_loss": (loss_bytes if phase == "loss" else grad_bytes) * logits if during else 0.0,
         "moe_dispatch": dispatch if during else 0.0, "comm_buffers": comm,
         "tp_grad_buffer": tp_flat if phase == "tp_grad_reduce" else 0.0,
-        "optimizer_step_temp": OPTIM_TEMP_BYTES * owned * on_gpu if phase == "optimizer_step" else 0.0,
+        "optimizer_step_temp": OPTIM_TEMP_BYTES * trained * on_gpu if phase == "optimizer_step" else 0.0,
         "cuda_context": CUDA_CONTEXT, "allocator_overhead": ALLOCATOR_BASE + ALLOCATOR_FRACTION * peak,
     }
     host = 0.0

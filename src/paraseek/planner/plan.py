@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paraseek.errors import UserError
 from paraseek.hardware.specs import GPU_SPECS, GPUSpec, resolve_gpu_type, spec_for_device_name
+from paraseek.models.lora_spec import LoRASpec
 from paraseek.planner.dims import ParallelDims
 
 AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recompute first
@@ -33,6 +34,9 @@ class Plan(ParallelDims):
     # --fp8 (parallel/fp8.py): the block projections' GEMMs in float8, and under tensorwise their FSDP2 all-gather.
     # The user's choice, as the data's document masks: numerics change, so the search never picks it.
     fp8: str = "off"
+    # --lora-rank (models/lora.py): the base frozen in the compute dtype, only the adapters trained. The user's
+    # choice of what to train, so the search never picks it; it prices the run's model states, not a new plan.
+    lora: LoRASpec | None = None
 
     @property
     def dims(self) -> ParallelDims:

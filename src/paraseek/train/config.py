@@ -112,11 +112,18 @@ class TrainConfig:
         """This run as the planner's Plan (what --plan auto, `paraseek bench`'s prediction and the OOM advice price)."""
         from paraseek.planner.plan import Plan
 
+        lora = None
+        if self.lora_rank:
+            from paraseek.models import resolve_model
+            from paraseek.models.lora_spec import lora_spec
+
+            model = self.init_from or self.model
+            lora = lora_spec(self.lora_rank, self.lora_alpha, self.lora_targets, resolve_model(model)[0], model)
         return Plan(**dataclasses.asdict(self.dims), micro_batch_size=self.micro_batch_size,
                     activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
                     reshard_after_forward=self.reshard_after_forward, compile=self.compile,
                     precision="fp16" if self.precision == "fp16" else "bf16",
-                    document_mask=self.doc_mask == "true", fp8=self.fp8)
+                    document_mask=self.doc_mask == "true", fp8=self.fp8, lora=lora)
 
     def with_plan(self, plan) -> TrainConfig:
         """This run with a planner Plan's degrees, memory settings, compile and precision (its schedule only when it
