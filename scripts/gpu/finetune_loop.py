@@ -6,7 +6,8 @@ whole loop on the R1-Distill-Qwen-1.5B shape: train (full and LoRA) -> export (m
     python scripts/gpu/finetune_loop.py GROUP[,GROUP...] --out DIR
 
 Groups: qwen (R1-Distill-Qwen-1.5B, whole: text, chat full, chat LoRA; the chat runs with a validation loss, an
-HF export and a checkpoint), loop (after qwen: export, generate and serve), v2lite (DeepSeek-V2-Lite cut to 6 layers
+HF export and a checkpoint), qwen_lora (its chat LoRA run alone), loop (after qwen or qwen_lora: export, generate
+and serve), v2lite (DeepSeek-V2-Lite cut to 6 layers
 so that full fine-tuning fits one GPU: the same three), v2lite_lora (the whole 27-layer V2-Lite, LoRA on chat).
 Models have random weights saved once as an HF folder (one seeded bf16 initialization, with the bundled tokenizer and
 R1-Distill's chat template); the chat corpus is built from the bundled text. FINETUNE_TINY=1 runs the plumbing on
@@ -176,6 +177,17 @@ def group_qwen(out: Path) -> list[dict]:
                  [*evals, "--checkpoint-dir", str(WORK / "lora-ck")])
 
 
+def group_qwen_lora(out: Path) -> list[dict]:
+    """The qwen group's chat LoRA run alone (its checkpoint is what the loop group exports and serves)."""
+    init = model_folder("qwen15-chat", "tiny-dense" if TINY else "deepseek-r1-distill-qwen-1.5b", None)
+    WORK.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(WORK / "lora-ck", ignore_errors=True)
+    return [train(out, "qwen1.5b-chat-lora", ["--init-from", init, "--tokenizer", init, "--global-batch-size", "4",
+                                              "--micro-batch-size", "2", "--activation-checkpointing", "selective",
+                                              "--data", chat_data(out, 400 if TINY else 6000), *LORA, "--eval-split",
+                                              "0.01", "--eval-every", "10", "--checkpoint-dir", str(WORK / "lora-ck")])]
+
+
 def group_v2lite(out: Path) -> list[dict]:
     init = model_folder("v2lite6-chat", "tiny-moe" if TINY else "deepseek-v2-lite", None if TINY else 6)
     flags = ["--global-batch-size", "2", "--micro-batch-size", "2", "--activation-checkpointing", "selective"]
@@ -200,6 +212,8 @@ def group_loop(out: Path) -> list[dict]:
         runs.append({"name": f"export {flag}", "rc": rc, "files": files, "tail": text[-600:] if rc else ""})
     prompt = "In the beginning God created the heaven and the earth. What came next?"
     for what in ("full-hf", "merged"):
+        if not (WORK / what).is_dir():
+            continue  # the qwen_lora group writes no full fine-tuning export
         rc, text = sh([sys.executable, "-m", "paraseek", "generate", str(WORK / what), "--chat", "--prompt", prompt,
                        "--max-new-tokens", "24", "--json", "--quiet", "--device", DEVICE], 240)
         line = next((ln for ln in text.splitlines() if ln.startswith("{")), "")
