@@ -18,7 +18,9 @@ _WORKER_ENV = "PARASEEK_INFER_WORKER"
 
 
 # ---- flags ----------------------------------------------------------------------------------------------------------
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | None = None,
+                         max_batched_tokens_why: str = "") -> None:
+    """MODEL and the engine's flags; `max_batched_tokens`: this command's own default for --max-batched-tokens."""
     p.add_argument("model", help="an HF model folder (config.json + *.safetensors + tokenizer), a paraseek training "
                    "checkpoint folder (its newest complete step), or a preset name with --random-weights")
     g = p.add_argument_group("model and parallelism")
@@ -39,8 +41,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
     e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help=f"running sequences at most (default {d.max_num_seqs})")
-    e.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
-                   help=f"tokens per step; bounds the prefill workspace (default {d.max_batched_tokens})")
+    step_tokens = max_batched_tokens or d.max_batched_tokens
+    e.add_argument("--max-batched-tokens", type=int, default=step_tokens,
+                   help=f"tokens per step; bounds the prefill workspace (default {step_tokens}"
+                   f"{max_batched_tokens_why})")
     e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help=f"share of GPU memory for weights, workspace and KV cache (default {d.gpu_memory_utilization})")
     e.add_argument("--num-kv-blocks", type=int, help="exact KV pool size in blocks (overrides the memory rule)")
