@@ -3,6 +3,7 @@ sizes, checkpointing modes, sequence lengths, gradient accumulation, tp and pp),
 
     python scripts/planner/oos.py --write benchmarks/predictions/compiled-oos.json   # on any machine, no GPU
     python scripts/planner/oos.py --run benchmarks/predictions/compiled-oos.json --out DIR   # on nvidia-h200-x2
+    python scripts/planner/oos.py --list 1gpu --write benchmarks/predictions/compiled-oos-1gpu.json   # one H200
 
 --write prices every command of OOS with the planner exactly as `paraseek bench` does for its own prediction (the
 command through train's parser and config, TrainConfig.to_plan, planner.evaluate on the datasheet H200 with
@@ -61,14 +62,42 @@ OOS = [
 ]
 
 
+# One H200 (nvidia-h200, when no 2-GPU machine is lent): issue #17's --plan auto runs beside the hand-picked flags
+# (the 7B's hand-picked flags are the auto plan itself: `paraseek plan` ranks them first), then compiled runs of other
+# shapes. Only the first (the 7B's mbs-2 selective plan, issue #17's own run) was in a fit.
+OOS_1GPU = [
+    ("7b --plan auto gbs2 (= the hand-picked mbs2 selective+compile; in the fit)", 1, 4096,
+     "--model deepseek-llm-7b --global-batch-size 2 --plan auto"),
+    ("qwen-1.5b --plan auto gbs8 (mbs8 selective+compile)", 1, 4096,
+     "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 8 --plan auto"),
+    ("qwen-1.5b hand gbs8 mbs4 none+compile", 1, 4096, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 8 "
+     "--micro-batch-size 4 --activation-checkpointing none --compile"),
+    ("v2lite6 --plan auto gbs4 (mbs4 selective+compile)", 1, 4096, "--model {models}/v2lite6 --global-batch-size 4 "
+     "--plan auto"),
+    ("v2lite6 hand gbs4 mbs2 none+compile (the best measured v2lite6 flags, accum 2)", 1, 4096,
+     "--model {models}/v2lite6 --global-batch-size 4 --micro-batch-size 2 --activation-checkpointing none --compile"),
+    ("llama-8b 16 layers seq8192 selective+compile mbs1", 1, 8192, "--model {models}/llama8b16 --global-batch-size 1 "
+     "--micro-batch-size 1 --activation-checkpointing selective --compile"),
+    ("llama-8b 16 layers selective+compile mbs2", 1, 4096, "--model {models}/llama8b16 --global-batch-size 2 "
+     "--micro-batch-size 2 --activation-checkpointing selective --compile"),
+    ("qwen-7b 14 layers selective+compile mbs2", 1, 4096, "--model {models}/qwen7b14 --global-batch-size 2 "
+     "--micro-batch-size 2 --activation-checkpointing selective --compile"),
+    ("qwen-1.5b seq8192 none+compile mbs2", 1, 8192, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 2 "
+     "--micro-batch-size 2 --activation-checkpointing none --compile"),
+]
+LISTS = {"2gpu": OOS, "1gpu": OOS_1GPU}
+CUTS = {"v2lite14": ("deepseek-v2-lite", 14), "v2lite6": ("deepseek-v2-lite", 6),
+        "llama8b16": ("deepseek-r1-distill-llama-8b", 16), "qwen7b14": ("deepseek-r1-distill-qwen-7b", 14)}
+
+
 def models_folder(root: Path) -> Path:
-    """A folder with v2lite14/config.json (the preset with 14 layers), as validate.py writes it."""
+    """A folder of configs (random init) of presets cut to fewer layers (CUTS), as validate.py writes them."""
     from paraseek.models.args import preset_config
 
-    path = root / "v2lite14"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**preset_config("deepseek-v2-lite"), "num_hidden_layers": 14},
-                                                 indent=1))
+    for name, (preset, layers) in CUTS.items():
+        path = root / name
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({**preset_config(preset), "num_hidden_layers": layers}, indent=1))
     return root
 
 
@@ -86,31 +115,36 @@ def predict(cmd: str, models: Path) -> dict:
     argv = shlex.split(cmd.replace("{models}", str(models)))
     ns = build_parser().parse_args(argv[1:])
     cfg = resolve_defaults(from_namespace(ns), cuda_available=True, gpu_count=ns.nproc)
-    validate(cfg, cuda_available=True, gpu_count=ns.nproc)
     args = resolve_model(cfg.model)[0]
-    ev = evaluate(args, make_cluster("H200", cfg.world_size, gpus_per_node=cfg.nproc), cfg.to_plan(), cfg.seq_len,
-                  cfg.global_batch_size)
-    return {"fits": not ev.reason, "tight": ev.tight, "memory_gib": round(ev.memory.total / 2**30, 2),
+    cluster = make_cluster("H200", cfg.world_size, gpus_per_node=cfg.nproc)
+    if cfg.plan == "auto":  # what train/launch.py: apply_auto_plan picks on an H200
+        from paraseek.planner import best_plan
+
+        cfg = cfg.with_plan(best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size).plan)
+    validate(cfg, cuda_available=True, gpu_count=ns.nproc)
+    ev = evaluate(args, cluster, cfg.to_plan(), cfg.seq_len, cfg.global_batch_size)
+    return {"plan": " ".join(cfg.to_plan().flags()), "fits": not ev.reason, "tight": ev.tight, "memory_gib": round(ev.memory.total / 2**30, 2),
             "step_time_s": round(ev.time.total, 4) if ev.time else None,
             "tokens_per_s_per_gpu": round(ev.tokens_per_s_per_gpu, 1),
             "memory_breakdown_gib": {k: round(v / 2**30, 3) for k, v in ev.memory.items.items() if v},
             "step_time_breakdown_s": {k: round(v, 4) for k, v in ev.time.items.items() if v} if ev.time else {}}
 
 
-def write(path: Path) -> None:
+def write(path: Path, which: str) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True, cwd=ROOT)
     with tempfile.TemporaryDirectory() as tmp:
         models = models_folder(Path(tmp))
         runs = [{"name": name, "gpus": n, "command": command(n, seq, flags),
-                 "predicted": predict(command(n, seq, flags), models)} for name, n, seq, flags in OOS]
+                 "predicted": predict(command(n, seq, flags), models)} for name, n, seq, flags in LISTS[which]]
     doc = {"what": "planner predictions for compiled runs outside every fit (scripts/planner/compiled_fit.py), "
                    "written before they ran; check them with scripts/planner/oos.py --run",
            "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "planner_commit": commit.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else ""),
-           "machine": "nvidia-h200-x2 (2x H200, 2 GPUs per node; the 1-GPU runs use one of them)",
+           "machine": "nvidia-h200-x2 (2x H200, 2 GPUs per node; the 1-GPU runs use one of them)" if which == "2gpu"
+           else "nvidia-h200 (one H200)",
            "measured_memory": "torch.cuda.max_memory_allocated, against the planner's total as BENCHMARKS.md compares",
-           "models": "{models}/v2lite14: deepseek-v2-lite's config with num_hidden_layers 14 (oos.py writes it)",
+           "models": "{models}/NAME: a preset's config cut to fewer layers (oos.py: CUTS, written by --run)",
            "runs": runs}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -125,21 +159,31 @@ def run(path: Path, out: Path, only: str) -> None:
     lo, hi = (int(x) for x in only.split("-")) if only else (0, len(doc["runs"]) - 1)
     out.mkdir(parents=True, exist_ok=True)
     models = models_folder(out / "models")
+    deadline = time.time() + float(os.environ.get("OOS_DEADLINE_S", "1e9"))  # the device call's: keep what ran
     results = []
     for i, r in enumerate(doc["runs"]):
         if not lo <= i <= hi:
             continue
         argv = [sys.executable, "-m", "paraseek", *shlex.split(r["command"].replace("{models}", str(models)))[1:]]
         t0 = time.time()
-        p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT,
-                           env={**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": str(ROOT / "src")})
+        if t0 > deadline - 30:
+            print(f"skipped (the call's deadline): {r['name']}", flush=True)
+            continue
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=deadline - t0,
+                               env={**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": str(ROOT / "src")})
+        except subprocess.TimeoutExpired:
+            print(f"cut at the call's deadline: {r['name']}", flush=True)
+            continue
         m = re.search(r'^\{\s*"runs".*', p.stdout, re.S | re.M)
         measured = json.loads(p.stdout[m.start():p.stdout.rindex("}") + 1])["runs"][-1] if p.returncode == 0 and m \
             else {}
         row = {"name": r["name"], "rc": p.returncode, "seconds": round(time.time() - t0), "predicted": r["predicted"]}
         if measured:
             pred = r["predicted"]
-            row["measured"] = {k: measured[k] for k in ("step_time_s", "tokens_per_s_per_gpu", "mem_peak_gib", "mfu")}
+            row["measured"] = {k: measured.get(k) for k in ("step_time_s", "tokens_per_s_per_gpu", "mem_peak_gib", "mfu",
+                                                            "micro_batch_size", "activation_checkpointing",
+                                                            "compile")}
             row["step_time_error"] = pred["step_time_s"] / measured["step_time_s"] - 1 if pred["step_time_s"] else None
             row["memory_error"] = pred["memory_gib"] / measured["mem_peak_gib"] - 1
         else:
@@ -155,9 +199,10 @@ def main() -> None:
     p.add_argument("--run", metavar="FILE.json", help="run the commands of a predictions file (GPU machine)")
     p.add_argument("--out", default="/tmp/compiled-oos", help="with --run: where the results go")
     p.add_argument("--only", default="", help="with --run: a range of run indices, e.g. 0-5")
+    p.add_argument("--list", default="2gpu", choices=sorted(LISTS), help="with --write: which runs (default 2gpu)")
     a = p.parse_args()
     if a.write:
-        write(Path(a.write))
+        write(Path(a.write), a.list)
     elif a.run:
         run(Path(a.run), Path(a.out), a.only)
     else:
