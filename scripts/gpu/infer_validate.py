@@ -6,8 +6,8 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
 Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, stress, hf (HF generate
 on the same requests, 8B and 1.5B; hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
-`paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), serve2048 (its concurrency 32 and
-64 points with --max-batched-tokens 2048), serve_profile (the server's CPU per streamed token by thread, and py-spy's
+`paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the
+same with --max-batched-tokens 2048 or 1024), serve_profile (the server's CPU per streamed token by thread, and py-spy's
 samples at concurrency 32: carry py-spy's wheel in .whl), profile
 (scripts/gpu/decode_profile.py variants).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
@@ -164,6 +164,11 @@ def group_serve2048(out: Path, anchors: str) -> list[dict]:
     """The serve group with 2048 tokens per step instead of 8192 (new seeds: nothing in the cache from a run
     before)."""
     return group_serve(out, anchors, ("--max-batched-tokens", "2048"), seed=11)
+
+
+def group_serve1024(out: Path, anchors: str) -> list[dict]:
+    """The serve group with 1024 tokens per step (new seeds)."""
+    return group_serve(out, anchors, ("--max-batched-tokens", "1024"), seed=21)
 
 
 def group_serve_profile(out: Path, anchors: str) -> list[dict]:
