@@ -190,9 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from paraseek.bench.run import serve_alias
+
+    argv = serve_alias(list(argv) if argv is not None else sys.argv[1:])
     parser = build_parser()
     ns = parser.parse_args(argv)
-    ns.argv = list(argv) if argv is not None else sys.argv[1:]  # commands that re-launch themselves need it
+    ns.argv = argv  # commands that re-launch themselves need it
     if getattr(ns, "seq_len", 1) is not None and getattr(ns, "seq_len", 1) <= 0:
         parser.exit(2, f"paraseek: error: --seq-len must be positive, got {ns.seq_len}\n")
     try:

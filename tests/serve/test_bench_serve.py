@@ -26,6 +26,16 @@ def check_ordered(run: dict) -> None:
     assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"] * 1.0001
 
 
+def test_bench_serve_is_also_bench_with_serve(server, capsys):
+    """`paraseek bench --serve URL` (the issue's spelling, `vllm bench serve`'s) runs bench-serve on URL with the
+    other flags."""
+    rc = main(["bench", "--num-prompts", "4", "--serve", server.url, "--input-len", "8", "--output-len", "3", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    (run,) = json.loads(out)["runs"]
+    assert run["requests"] == run["completed"] == 4 and run["output_tokens"] == 4 * 3
+
+
 def test_completions_at_a_poisson_rate(server, capsys):
     m0 = server.metrics()
     doc = bench(capsys, server.url, "--num-prompts", "16", "--input-len", "4:40", "--output-len", "3:9",

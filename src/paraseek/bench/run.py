@@ -38,7 +38,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "without --hardware, the links as `paraseek doctor` does) into the profile the planner reads")
     p.add_argument("--save", metavar="PROFILE.json",
                    help="with --calibrate: write the profile here (default: add the calibration to --hardware)")
+    p.add_argument("--serve", metavar="URL", help="instead of a training run: load the OpenAI-compatible server at "
+                   "URL and report TTFT, TPOT, ITL and throughput; the same as `paraseek bench-serve URL` and its "
+                   "flags (see `paraseek bench-serve --help`)")
     p.set_defaults(func=run_bench)
+
+
+def serve_alias(argv: list[str]) -> list[str]:
+    """`paraseek bench --serve URL FLAGS` (the issue's and `vllm bench serve`'s spelling) as `paraseek bench-serve
+    URL FLAGS`; any other command line unchanged."""
+    if not argv or argv[0] != "bench":
+        return argv
+    rest = argv[1:]
+    for i, arg in enumerate(rest):
+        if arg == "--serve" and i + 1 < len(rest):
+            return ["bench-serve", rest[i + 1], *rest[:i], *rest[i + 2:]]
+        if arg.startswith("--serve="):
+            return ["bench-serve", arg.split("=", 1)[1], *rest[:i], *rest[i + 1:]]
+    return argv
 
 
 def _counts(text: str) -> list[int]:

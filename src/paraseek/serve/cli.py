@@ -219,10 +219,12 @@ class _Server:
 
 
 # The server's tokens per step. Measured on one H200 (R1-Distill-Llama-8B shape, 512-token prompts, 128 output
-# tokens, BENCHMARKS.md "Serving"): at concurrency 32, 2,048 against 8,192 gave a median TTFT of 275 against
-# 351-373 ms, and 3,538 against 3,390-3,495 output tokens/s. 8,192 prefills 16 prompts of a burst in one long step,
-# so half of them wait for a second one; 2,048 prefills 4 per step, spreading first tokens (and the next arrivals).
-SERVE_MAX_BATCHED_TOKENS = 2048
+# tokens, BENCHMARKS.md "Serving"), at concurrency 32: 8,192 gave a median TTFT of 351-373 ms and 3,390-3,495 output
+# tokens/s, 2,048 gave 275 ms and 3,538, 1,024 gave 177 ms and 3,237 (86% of the offline engine). A burst of prompts is
+# prefilled a few per step instead of 16 at once, so first tokens (and the next arrivals) spread out; the price is
+# throughput at high concurrency (4,254 against 4,830 tokens/s at 64) and long prompts prefilled in more steps.
+# --max-batched-tokens 8192 is the throughput setting.
+SERVE_MAX_BATCHED_TOKENS = 1024
 
 
 def register(subparsers) -> None:
@@ -235,7 +237,7 @@ def register(subparsers) -> None:
         "/metrics (Prometheus). Errors are OpenAI's JSON objects; a client that disconnects frees its KV blocks at "
         "once; the waiting queue is bounded (429); SIGTERM drains and exits 0.")
     add_engine_arguments(p, SERVE_MAX_BATCHED_TOKENS, ": fewer than generate's 8192, so that a burst of prompts is "
-                         "prefilled a few per step and each gets its first token sooner")
+                         "prefilled a few per step and each gets its first token sooner; 8192 for throughput")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="default 8000")
