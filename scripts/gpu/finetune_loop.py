@@ -123,6 +123,13 @@ def predict(argv: list[str]) -> dict | None:
             "memory_breakdown_gib": {k: round(v, 3) for k, v in p["memory_breakdown_gib"].items() if v}} if p else None
 
 
+def allocated_items(predicted: dict) -> float:
+    """The planner's GiB without the two items max_memory_allocated cannot count (the CUDA context, outside the
+    caching allocator, and its fragmentation): what the measured allocated peak is compared with like for like."""
+    b = predicted["memory_breakdown_gib"]
+    return predicted["memory_gib"] - b.get("cuda_context", 0.0) - b.get("allocator_overhead", 0.0)
+
+
 def train(out: Path, name: str, argv: list[str], timeout: int = 300) -> dict:
     jsonl = out / f"{name}.jsonl"
     jsonl.unlink(missing_ok=True)
@@ -144,6 +151,7 @@ def train(out: Path, name: str, argv: list[str], timeout: int = 300) -> dict:
          "events": [e for e in rows if "event" in e][:6], "predicted": predicted}
     if predicted and r["mem_peak_gib"] and "memory_gib" in predicted:
         r["memory_error"] = round(predicted["memory_gib"] / r["mem_peak_gib"] - 1, 4)
+        r["memory_error_allocated"] = round(allocated_items(predicted) / r["mem_peak_gib"] - 1, 4)
     if rc:
         r["tail"] = text[-1500:]
     print(f"    {name}: {r['tokens_per_s_per_gpu']} tok/s/GPU, {r['mem_peak_gib']} GiB "
@@ -268,7 +276,8 @@ def main() -> None:
         (out / "finetune.json").write_text(json.dumps(results, indent=1))  # kept if the call is cut
     for r in results:
         keep = {k: r.get(k) for k in ("rc", "tokens_per_s_per_gpu", "mem_peak_gib", "mfu", "memory_error",
-                                      "loss_first_last", "files", "result") if r.get(k) is not None}
+                                      "memory_error_allocated", "loss_first_last", "files", "result")
+                if r.get(k) is not None}
         if r.get("predicted") and "memory_gib" in r["predicted"]:
             keep["predicted_gib"] = r["predicted"]["memory_gib"]
         print(f"{r['name']}: {json.dumps(keep)[:400]}")

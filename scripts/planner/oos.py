@@ -186,6 +186,10 @@ def run(path: Path, out: Path, only: str) -> None:
                                                             "compile")}
             row["step_time_error"] = pred["step_time_s"] / measured["step_time_s"] - 1 if pred["step_time_s"] else None
             row["memory_error"] = pred["memory_gib"] / measured["mem_peak_gib"] - 1
+            # like for like: max_memory_allocated counts neither the CUDA context nor the allocator's fragmentation
+            allocated = pred["memory_gib"] - sum(pred["memory_breakdown_gib"].get(k, 0.0)
+                                                 for k in ("cuda_context", "allocator_overhead"))
+            row["memory_error_allocated"] = allocated / measured["mem_peak_gib"] - 1
         else:
             row["tail"] = (p.stdout + p.stderr)[-2000:]
         results.append(row)
