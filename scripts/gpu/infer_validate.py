@@ -7,7 +7,7 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, stress, hf (HF generate
 on the same requests, 8B and 1.5B; hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
 `paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the
-same with --max-batched-tokens 2048 or 1024), serve_profile (the server's CPU per streamed token by thread, and py-spy's
+same with --max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile (the server's CPU per streamed token by thread, and py-spy's
 samples at concurrency 32: carry py-spy's wheel in .whl), profile
 (scripts/gpu/decode_profile.py variants).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
@@ -169,6 +169,21 @@ def group_serve2048(out: Path, anchors: str) -> list[dict]:
 def group_serve1024(out: Path, anchors: str) -> list[dict]:
     """The serve group with 1024 tokens per step (new seeds)."""
     return group_serve(out, anchors, ("--max-batched-tokens", "1024"), seed=21)
+
+
+def group_soak(out: Path, anchors: str) -> list[dict]:
+    """tests/serve/test_soak.py on the GPU machine for SOAK_S seconds (default 300; CI runs it for 30): a steady rate
+    above the server's capacity; the queue bound, /health, no lost request and flat memory are the test's asserts."""
+    seconds = os.environ.get("SOAK_S", "300")
+    argv = [PY, "-m", "pytest", "-q", "-s", "tests/serve/test_soak.py"]
+    t0 = time.time()
+    r = subprocess.run(argv, env={**ENV, "PARASEEK_SOAK_S": seconds}, capture_output=True, text=True, cwd=ROOT,
+                       timeout=int(seconds) + 240)
+    text = r.stdout + r.stderr
+    (out / "soak.txt").write_text(text)
+    lines = [ln for ln in text.splitlines() if ln.startswith("soak:") or " passed" in ln or " failed" in ln]
+    return [{"name": f"serve soak {seconds} s", "rc": r.returncode, "seconds": round(time.time() - t0),
+             "summary": " | ".join(lines)[-400:]}]
 
 
 def group_serve_profile(out: Path, anchors: str) -> list[dict]:
