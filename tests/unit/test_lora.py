@@ -156,6 +156,8 @@ def test_selective_checkpointing_recomputes_lora_b_and_keeps_the_projections():
     assert _selective_policy(None, torch.ops.aten.mm.default, x_TI, torch.zeros(256, 16)) == CheckpointPolicy.MUST_SAVE
     assert _selective_policy(None, torch.ops.aten.mm.default, h_TR, torch.zeros(16, 512)) == \
         CheckpointPolicy.PREFER_RECOMPUTE
+    x_T64 = torch.zeros(8, 64)  # a tiny test model's 64-wide projection: saved like a real one
+    assert _selective_policy(None, torch.ops.aten.mm.default, x_T64, torch.zeros(64, 64)) == CheckpointPolicy.MUST_SAVE
 
 
 @pytest.fixture(scope="module")

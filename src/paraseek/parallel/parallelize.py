@@ -97,16 +97,25 @@ if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
-# A matmul whose contraction is at most this long is recomputed: LoRA's B (models/lora.py: [T, r] @ [r, O], and the
-# experts' grouped one) costs r/I of its base projection to redo, while keeping its [T, O] output holds a second copy
-# of every adapted projection's output. On R1-Distill-Qwen-1.5B at 8,192 tokens per micro-batch that copy is 10.6 GiB
-# (computed), and the H200 run with it saved peaked about 11 GiB above what the model states alone explain.
-_RECOMPUTE_MAX_CONTRACTION = 64
+# A low-rank product is recomputed: a matmul whose contraction k is at most 64 and at most 1/8 of its output width N.
+# That is LoRA's B (models/lora.py: [T, r] @ [r, O], and the experts' grouped one): it costs r/I of its base
+# projection to redo, while keeping its [T, O] output holds a second copy of every adapted projection's output. On
+# R1-Distill-Qwen-1.5B at 8,192 tokens per micro-batch that copy is 10.6 GiB (computed), and the H200 run with it
+# saved peaked about 11 GiB above what the model states alone explain. (The ratio keeps the tiny test models'
+# 64-wide projections saved, as a real model's are.)
+_LOW_RANK_MAX_K, _LOW_RANK_MIN_WIDENING = 64, 8
 _MATMULS = {torch.ops.aten.mm.default, getattr(torch.ops.aten, "_grouped_mm", torch.ops.aten.mm).default}
 
 
+def _is_low_rank_product(op, args) -> bool:
+    if op not in _MATMULS:
+        return False
+    k, n = args[0].shape[-1], args[1].shape[-1]
+    return k <= _LOW_RANK_MAX_K and _LOW_RANK_MIN_WIDENING * k <= n
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _MATMULS and args[0].shape[-1] <= _RECOMPUTE_MAX_CONTRACTION:
+    if _is_low_rank_product(op, args):
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
