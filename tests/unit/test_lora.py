@@ -144,6 +144,23 @@ def test_planner_prices_a_lora_run_with_the_lora_states():
     assert full.total - adapted.total == pytest.approx(saved, rel=0.1)  # grads: 4 B/param x 2 micro-batches
 
 
+def test_plan_auto_for_a_lora_run_ranks_lora_plans():
+    """--plan auto with --lora-rank (train/launch.py: apply_auto_plan) searches LoRA plans: priced with the LoRA
+    states, and never tp or pp, which the engine refuses for LoRA."""
+    from paraseek.planner import best_plan, make_cluster
+    from paraseek.planner.search import search
+
+    args, _, _ = resolve_model("deepseek-r1-distill-qwen-1.5b")
+    spec = LoRASpec(16, 32.0, model_targets(args))
+    one = make_cluster("H200", 1, gpus_per_node=1)
+    full, lora = best_plan(args, one, 4096, 8), best_plan(args, one, 4096, 8, lora=spec)
+    assert lora.plan.lora == spec and full.plan.lora is None
+    assert lora.memory.items["optimizer_states"] < full.memory.items["optimizer_states"] / 50
+    res = search(args, make_cluster("H200", 4, gpus_per_node=4), 4096, 8, engine_only=True, lora=spec)
+    assert res.plans and all(e.plan.tp == 1 and e.plan.pp == 1 and e.plan.lora == spec for e in res.plans)
+    assert any("not --tp or --pp" in r.reason for r in res.rejected)
+
+
 def test_selective_checkpointing_recomputes_lora_b_and_keeps_the_projections():
     """LoRA's B ([T, r] @ [r, O]) is recomputed in backward (cheap), so selective checkpointing does not keep a
     second [T, O] output per adapted projection; the projections' own matmuls stay saved."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs
+from paraseek.models.lora_spec import LoRASpec
 from paraseek.planner.cost import StepTime, step_time
 from paraseek.planner.dims import ParallelDims
 from paraseek.planner.memory import GiB, Memory, memory, model_terms
@@ -207,13 +208,14 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
            engine_only: bool = False, compile: bool | None = None, document_mask: bool = False,
-           fp8: str = "off") -> SearchResult:
+           fp8: str = "off", lora: LoRASpec | None = None) -> SearchResult:
     """Every mesh of c.n_gpus GPUs, its best variant, ranked by memory headroom, then predicted tokens/s per GPU.
     engine_only ranks only what `paraseek train` runs (ParallelDims.problem with the engine's rules, the same check
     the CLI makes before a launch); without it the planner also prices the compositions the engine does not run, and
     ZBVZeroBubble. compile: None = compiled wherever the engine compiles, True / False = only compiled / eager.
     `document_mask`: the data is packed with document masks (Plan.document_mask); `fp8`: every plan with this --fp8
-    recipe (Plan.fp8), refused on a GPU type without float8 tensor cores."""
+    recipe (Plan.fp8), refused on a GPU type without float8 tensor cores; `lora`: every plan trains these adapters
+    on a frozen base (Plan.lora), which the engine runs without tp or pp."""
     if fp8 != "off" and not c.gpu.has_fp8:
         raise UserError(f"--fp8: {c.gpu.name} has no float8 tensor cores (Ada and Hopper GPUs do); plan without it")
     if seq_len <= 0:
@@ -241,6 +243,9 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
             reject(why, tp=tp)
             continue
         for pp in divisors(N // tp):
+            if lora is not None and (tp > 1 or pp > 1):
+                reject("LoRA runs with FSDP2/HSDP, DDP and --ep, not --tp or --pp", tp=tp, pp=pp)
+                continue
             if pp > args.n_layers:
                 reject(f"pp {pp} > {args.n_layers} layers", tp=tp, pp=pp)
                 continue
@@ -252,7 +257,7 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 eps = [e for e in divisors(dp_shard) if args.n_routed_experts % e == 0] if moe else [1]
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,
-                                document_mask=document_mask, fp8=fp8)
+                                document_mask=document_mask, fp8=fp8, lora=lora)
                     best, closest, n, why_not = _best_of_mesh(args, c, base, seq_len, global_batch_size, engine_only,
                                                               compile)
                     res.evaluated += n
@@ -270,11 +275,12 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
 
 
 def best_plan(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int,
-              compile: bool | None = None, document_mask: bool = False, fp8: str = "off") -> Evaluated:
+              compile: bool | None = None, document_mask: bool = False, fp8: str = "off",
+              lora: LoRASpec | None = None) -> Evaluated:
     """The first plan of the ranking that the engine runs (what `paraseek train --plan auto` runs): with memory
     headroom if any, the predicted-fastest. Raises UserError with the closest miss's reason when nothing fits."""
     res = search(args, c, seq_len, global_batch_size, engine_only=True, compile=compile,
-                 document_mask=document_mask, fp8=fp8)
+                 document_mask=document_mask, fp8=fp8, lora=lora)
     if not res.plans:
         why = res.rejected[0].reason if res.rejected else "no mesh is possible"
         raise UserError(f"no parallel plan fits {c.n_gpus} x {c.gpu.name}: closest: {why}")
