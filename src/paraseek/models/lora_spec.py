@@ -21,6 +21,7 @@ V3's MTP modules are not trained (train/build.py), so they get no adapters.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from paraseek.errors import UserError
@@ -103,7 +104,7 @@ class Adapted:
         return max(self.experts, 1) * rank * (self.in_features + self.out_features)
 
 
-def adapted(args: ModelArgs, spec: LoRASpec, layers: range | None = None) -> list[Adapted]:
+def adapted(args: ModelArgs, spec: LoRASpec, layers: Iterable[int] | None = None) -> list[Adapted]:
     """Every weight the spec adapts in `layers` (default all), in module order."""
     a, out = args, []
     qk, H = a.qk_head_dim, a.n_heads
@@ -136,7 +137,7 @@ def adapted(args: ModelArgs, spec: LoRASpec, layers: range | None = None) -> lis
     return out
 
 
-def adapter_params(args: ModelArgs, spec: LoRASpec, layers: range | None = None) -> int:
+def adapter_params(args: ModelArgs, spec: LoRASpec, layers: Iterable[int] | None = None) -> int:
     """Trainable parameters of the adapters: r (I + O) per adapted weight, times E for the routed experts."""
     return sum(w.params(spec.rank) for w in adapted(args, spec, layers))
 

@@ -421,13 +421,17 @@ def lora_state_bytes(args: ModelArgs, plan: Plan, spec: LoRASpec, base_bytes: in
     t = model_terms(args, seq_len or args.max_seq_len)
     shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
     r = stage if stage is not None else max(range(len(shares)), key=lambda i: _state_elems(shares[i], plan))
-    base = _state_elems(shares[r], plan)
-    adapters = sum(adapter_params(args, spec, range(i, i + 1)) for i in shares[r].layers) / plan.dp_shard
-    out = {"base_params": base_bytes * base, "params": FP32 * adapters, "grads": FP32 * adapters,
-           "optimizer": 2 * FP32 * adapters}
+    out = _lora_states(args, shares[r], plan, spec, base_bytes)
     out["total"] = sum(out.values())
     out["device"] = "cpu" if plan.cpu_offload else "cuda"
     return out
+
+
+def _lora_states(args: ModelArgs, share: RankShare, plan: Plan, spec: LoRASpec, base_bytes: int = BF16) -> dict:
+    """lora_state_bytes of one pp rank's share: the frozen base's bytes and the adapters' params, grads, moments."""
+    adapters = adapter_params(args, spec, share.layers) / plan.dp_shard
+    return {"base_params": base_bytes * _state_elems(share, plan), "params": FP32 * adapters,
+            "grads": FP32 * adapters, "optimizer": 2 * FP32 * adapters}
 
 
 # ---- the whole breakdown -------------------------------------------------------------------------------------------
@@ -476,7 +480,7 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         params, grads, optim = FP32 * owned * on_gpu, FP32 * owned * on_gpu, 2 * FP32 * owned * on_gpu
         trained = owned  # what gradients, AdamW and the optimizer step's temporaries are kept for
         if plan.lora is not None:  # lora_state_bytes: the base in the compute dtype, 16 B/param for the adapters
-            states = lora_state_bytes(a, plan, plan.lora, stage=r, seq_len=t.seq_len)
+            states = _lora_states(a, s, plan, plan.lora)
             trained = states["params"] / FP32
             params = (states["base_params"] + states["params"]) * on_gpu
             grads, optim = states["grads"] * on_gpu, states["optimizer"] * on_gpu
