@@ -15,7 +15,7 @@ from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
 from paraseek.models.lora import init_adapters, is_adapter
-from paraseek.models.lora_spec import LoRASpec, lora_spec
+from paraseek.models.lora_spec import LoRASpec
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
@@ -47,7 +47,7 @@ class Model:
 def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
     torch.manual_seed(cfg.seed)  # torch's global generator, for whatever draws from it (nothing in the model does)
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
-    lora = lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, args, cfg.init_from or cfg.model)
+    lora = cfg.lora_for(args)
     dims = mesh.dims
     specs, stage_ids = None, [0]
     if dims.pp > 1:

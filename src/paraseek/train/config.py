@@ -115,15 +115,19 @@ class TrainConfig:
         lora = None
         if self.lora_rank:
             from paraseek.models import resolve_model
-            from paraseek.models.lora_spec import lora_spec
 
-            model = self.init_from or self.model
-            lora = lora_spec(self.lora_rank, self.lora_alpha, self.lora_targets, resolve_model(model)[0], model)
+            lora = self.lora_for(resolve_model(self.init_from or self.model)[0])
         return Plan(**dataclasses.asdict(self.dims), micro_batch_size=self.micro_batch_size,
                     activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
                     reshard_after_forward=self.reshard_after_forward, compile=self.compile,
                     precision="fp16" if self.precision == "fp16" else "bf16",
                     document_mask=self.doc_mask == "true", fp8=self.fp8, lora=lora)
+
+    def lora_for(self, args):
+        """The run's LoRASpec (models/lora_spec.py) on the model `args`; None without --lora-rank."""
+        from paraseek.models.lora_spec import lora_spec
+
+        return lora_spec(self.lora_rank, self.lora_alpha, self.lora_targets, args, self.init_from or self.model)
 
     def with_plan(self, plan) -> TrainConfig:
         """This run with a planner Plan's degrees, memory settings, compile and precision (its schedule only when it
@@ -572,15 +576,13 @@ def _powersgd_rank(text: str) -> int:
 
 def check_lora(cfg: TrainConfig, args) -> None:
     """The LoRA flags against the model and the plan (one line each)."""
-    from paraseek.models.lora_spec import lora_spec
-
     if not cfg.lora_rank:
         if cfg.lora_alpha or cfg.lora_targets:
             raise UserError("--lora-alpha and --lora-targets need --lora-rank R (a positive rank) to turn LoRA on")
         return
     if cfg.lora_rank < 0 or cfg.lora_alpha < 0:
         raise UserError(f"--lora-rank must be positive and --lora-alpha >= 0, got {cfg.lora_rank} and {cfg.lora_alpha}")
-    lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, args, cfg.init_from or cfg.model)  # the targets
+    cfg.lora_for(args)  # the targets
     if not cfg.init_from:
         raise UserError("--lora-rank trains adapters on a pretrained model: give it with --init-from HF_DIR (the "
                         "frozen base, which checkpoints name instead of copying)")

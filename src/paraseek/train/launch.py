@@ -109,10 +109,9 @@ def _check_checkpoint_dir(cfg: TrainConfig, owner: bool = True) -> None:
         if not cfg.lora_rank:
             return {name: tuple(t.shape) for name, t in model.state_dict().items()}
         from paraseek.models.lora import apply_lora, is_adapter
-        from paraseek.models.lora_spec import lora_spec
 
         # A LoRA checkpoint holds the adapters only (the base is the --init-from folder).
-        apply_lora(model, lora_spec(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, args, cfg.init_from or cfg.model))
+        apply_lora(model, cfg.lora_for(args))
         return {name: tuple(t.shape) for name, t in model.state_dict().items() if is_adapter(name)}
 
     say = (lambda line: print(line, flush=True)) if owner else (lambda line: None)
@@ -170,7 +169,7 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
                             "give a profile with --hardware (paraseek doctor --save PROFILE.json)")
         cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
     best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size, document_mask=cfg.doc_mask == "true",
-                     fp8=cfg.fp8, lora=cfg.to_plan().lora)
+                     fp8=cfg.fp8, lora=cfg.lora_for(args))
     p = best.plan
     cfg = cfg.with_plan(p)
     print(f"plan auto: {' '.join(p.flags())} | predicted {best.memory.total / 2**30:.1f} GiB/GPU, "
