@@ -21,7 +21,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+from infer_validate import stop_server  # noqa: E402  (this folder's script: the server's SIGTERM and exit code)
 TINY = os.environ.get("FINETUNE_TINY") == "1"
 MODELS = Path(os.environ.get("VALIDATE_MODELS", "/tmp/validate-models"))  # big folders stay out of --out
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
@@ -250,12 +250,7 @@ def serve_chat(model: Path, prompt: str) -> dict:
         rc = 0
     except OSError as e:
         answer = f"{type(e).__name__}: {e}"
-    server.send_signal(signal.SIGTERM)
-    try:
-        code = server.wait(60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        code = "killed"
+    code = stop_server(server, 60)
     log = server.stdout.read()[-800:] if server.stdout else ""
     print(f"  serve chat: {answer[:300]} (exit {code})", flush=True)
     return {"name": "serve chat completion (merged)", "rc": rc if code == 0 else 1, "result": answer,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -227,7 +228,6 @@ def _pyspy_digest(raw: Path, top: int = 25) -> list[str]:
 
 def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]], profile: bool = False) -> list[dict]:
     import shutil
-    import signal
     import urllib.request
 
     port = 8100
@@ -274,18 +274,23 @@ def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]], pro
                 if raw.exists():
                     (out / "serve-pyspy.txt").write_text("\n".join(_pyspy_digest(raw)))
                     raw.unlink()  # large; the digest is what comes back
-    server.send_signal(signal.SIGTERM)
-    try:
-        code = server.wait(90)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        code = "killed after 90 s"
+    code = stop_server(server, 90)
     log.close()
     results.append({"name": "serve SIGTERM", "rc": 0 if code == 0 else 1, "summary": f"exit code {code}"})
     results.append({"name": "serve runs " + " ".join(server_flags), "rc": 0, "runs": runs,
                     "summary": "; ".join(_serve_row(r) for r in runs)})
     print(results[-1]["summary"], flush=True)
     return results
+
+
+def stop_server(server: subprocess.Popen, timeout: int) -> int | str:
+    """SIGTERM (the server drains and exits), then its exit code; killed if it has not exited within `timeout` s."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        return server.wait(timeout)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        return f"killed after {timeout} s"
 
 
 def _serve_row(r: dict) -> str:
