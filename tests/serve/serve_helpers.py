@@ -76,8 +76,10 @@ class Server:
                      "--served-model-name", NAME, *flags]
         self._log = tempfile.NamedTemporaryFile("w+", prefix="paraseek-serve-", suffix=".log", delete=False)
         # One intra-op thread: the tiny model gains nothing from more, and the test process and other servers
-        # share the (two) cores.
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+        # share the (two) cores. The checkout's src first, then any PYTHONPATH already set (on the GPU machine the
+        # [serve] packages travel as wheels on it).
+        path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, cwd=ROOT)
         self.started_by = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
