@@ -3,11 +3,13 @@
     python scripts/planner/compiled_fit.py                 # the errors of planner/cost.py's constants, run by run
     python scripts/planner/compiled_fit.py --fit           # refit COMPILE_GEMM_GAIN, COMPILE_ELEM_TRAFFIC and
                                                            # COMPILE_SINGLE_RANK on the 'fit' runs (grid search)
+    python scripts/planner/compiled_fit.py --fit-width     # refit GEMM_HALF_K (the linears' width term) alone
 
 The out-of-sample predictions for runs not measured yet: scripts/planner/oos.py.
 
 RUNS holds every compiled `paraseek bench` run recorded in benchmarks/2026-11-30/*.json (and the 1-GPU run of
-issue #17), read from the JSON files, each marked with its use:
+issue #17), read from the JSON files, then the 9 runs of benchmarks/2026-12-01/compiled-oos-1gpu-call-12.json (the
+out-of-sample check of 2026-12-01, fitted on since: GEMM_HALF_K), each marked with its use:
   fit       the current engine (since e11229f: the loss compiled, the gradient clip folded into the fused AdamW);
   held-out  before e11229f, priced as that engine ran (the loss eager, the clip a pass of its own over the
             gradients), and not used in the fit: the out-of-sample check of the fitted terms;
@@ -22,6 +24,7 @@ import contextlib
 import itertools
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -72,6 +75,30 @@ ISSUE_17 = {"name": "7b 1gpu selective+compile mbs2 (issue #17)", "gpus": 1, "mo
             "tp": 1, "ep": 1, "pp": 1, "activation_checkpointing": "selective", "compile": True,
             "step_time_s": 2 * 4096 / 12455, "mem_peak_gib": 106.2}
 FITTED = ("COMPILE_GEMM_GAIN", "COMPILE_ELEM_TRAFFIC", "COMPILE_SINGLE_RANK")
+CALL_12 = ROOT / "benchmarks" / "2026-12-01" / "compiled-oos-1gpu-call-12.json"
+
+
+def load_call_12() -> list[dict]:
+    """The 1-GPU out-of-sample runs of call 12 as fit runs: the model and sequence length from oos.py's list, the plan
+    from the flags the run was predicted with (--plan auto's pick included)."""
+    sys.path.insert(0, str(ROOT / "scripts" / "planner"))
+    import oos
+
+    spec = {name: (seq, flags) for name, _, seq, flags in oos.OOS_1GPU}
+    runs = []
+    for row in json.loads(CALL_12.read_text()):
+        seq, flags = spec[row["name"]]
+        argv = shlex.split(flags + " " + row["predicted"]["plan"])
+        flag = {k: v for k, v in zip(argv, argv[1:], strict=False) if k.startswith("--")}
+        model = flag["--model"].removeprefix("{models}/")
+        runs.append({"name": row["name"], "gpus": 1, "model": oos.CUTS.get(model, model), "seq_len": seq,
+                     "global_batch_size": int(flag["--global-batch-size"]),
+                     "micro_batch_size": int(flag["--micro-batch-size"]), "dp_replicate": 1, "dp_shard": 1, "tp": 1,
+                     "ep": 1, "pp": 1, "activation_checkpointing": flag["--activation-checkpointing"],
+                     "compile": "--compile" in argv, "reshard_after_forward": True,
+                     "step_time_s": row["measured"]["step_time_s"], "mem_peak_gib": row["measured"]["mem_peak_gib"],
+                     "source": CALL_12.name, "engine": "current", "use": "fit"})
+    return runs
 
 
 def load(spec: tuple) -> dict:
@@ -87,7 +114,9 @@ def load(spec: tuple) -> dict:
     return run
 
 
-def model_args(name: str) -> ModelArgs:
+def model_args(name: str | tuple[str, int]) -> ModelArgs:
+    if isinstance(name, tuple):  # oos.py's CUTS: (preset, layers)
+        return ModelArgs.from_hf_config({**preset_config(name[0]), "num_hidden_layers": name[1]})
     if name.endswith("v2lite14"):  # validate.py's DeepSeek-V2-Lite cut to 14 layers (the anchors' shape)
         return ModelArgs.from_hf_config({**preset_config("deepseek-v2-lite"), "num_hidden_layers": 14})
     return ModelArgs.from_hf_config(preset_config(name))
@@ -160,17 +189,35 @@ def fit(runs: list[dict]) -> dict:
     return best[1]
 
 
+def fit_width(runs: list[dict]) -> float:
+    """Least squares on log(predicted / measured step time) over the fit runs for GEMM_HALF_K, every 25 up to 1,000."""
+    saved, best = cost.GEMM_HALF_K, None
+    try:
+        for k in range(0, 1001, 25):
+            cost.GEMM_HALF_K = float(k)
+            loss = sum(math.log(1 + t) ** 2 for _, t, _ in errors(runs))
+            if best is None or loss < best[0]:
+                best = (loss, float(k))
+    finally:
+        cost.GEMM_HALF_K = saved
+    return best[1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fit", action="store_true", help="refit the compile constants on the 'fit' runs")
+    p.add_argument("--fit-width", action="store_true", help="refit GEMM_HALF_K alone on the 'fit' runs")
     ns = p.parse_args()
-    runs = [load(s) for s in RUNS]
+    runs = [load(s) for s in RUNS] + load_call_12()
+    if ns.fit_width:
+        cost.GEMM_HALF_K = fit_width([r for r in runs if r["use"] == "fit"])
+        print(f"fitted: GEMM_HALF_K = {cost.GEMM_HALF_K}")
     if ns.fit:
         best = fit([r for r in runs if r["use"] == "fit"])
         print("fitted: " + ", ".join(f"{k} = {v:.4f}" for k, v in best.items()))
         for k, v in best.items():
             setattr(cost, k, v)
-    print("constants: " + ", ".join(f"{k} = {getattr(cost, k)}" for k in FITTED))
+    print("constants: " + ", ".join(f"{k} = {getattr(cost, k)}" for k in (*FITTED, "GEMM_HALF_K")))
     rows = errors([r for r in runs if not r["use"].startswith("excluded")])
     for use in ("fit", "held-out"):
         sel = [(r, t, m) for r, t, m in rows if r["use"] == use]

@@ -86,6 +86,20 @@ COMPILED_LOSS_TRAFFIC = 6.0
 FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.57, "rowwise": 1.26, "rowwise-gw-hp": 1.16}
 FP8 = 1  # bytes per param of a float8 all-gather
 
+# Linear efficiency (Efficiency.linear, COMPILE_GEMM_GAIN) was fitted on 4096-wide models. A narrower model runs
+# its projections as GEMMs with a shorter reduction dimension K = dim (every forward projection but the MLP's
+# down, half of the backward ones), where each output tile's fixed cost (prologue, epilogue, the wave's tail) is a
+# larger share: modelled as a rate K / (K + GEMM_HALF_K), relative to K = 4096; no gain is assumed above 4096 (not
+# measured).
+GEMM_HALF_K = 450.0  # fitted: scripts/planner/compiled_fit.py --fit-width, on the 13 compiled current-engine runs
+GEMM_REF_K = 4096
+
+
+def width_efficiency(dim: int) -> float:
+    """The linears' rate at model width `dim` relative to the 4096-wide models their efficiency was fitted on."""
+    k = min(dim, GEMM_REF_K)
+    return (k / (k + GEMM_HALF_K)) / (GEMM_REF_K / (GEMM_REF_K + GEMM_HALF_K))
+
 
 @dataclass
 class StepTime:
@@ -159,7 +173,7 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         # --fp8: the block projections speed up (the router, a tiny share, is counted with them); the head stays bf16
         linear = (s.linear_flops - s.head_flops) / FP8_LINEAR_SPEEDUP[plan.fp8] + s.head_flops
         it = {
-            "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm),
+            "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim)),
             "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
