@@ -107,8 +107,32 @@ OOS_1GPU_B = [
     ("v2lite6 seq8192 mbs1 none+compile", 1, 8192, "--model {models}/v2lite6 --global-batch-size 2 "
      "--micro-batch-size 1 --activation-checkpointing none --compile"),
 ]
-LISTS = {"2gpu": OOS, "1gpu": OOS_1GPU, "1gpu-b": OOS_1GPU_B}
+# A third set (2026-12-02, no planner change since the second): its memory criterion is named as the planner's items
+# (its total less the CUDA context and the allocator's fragmentation) against max_memory_allocated.
+OOS_1GPU_C = [
+    ("7b seq1024 mbs8 selective+compile", 1, 1024, "--model deepseek-llm-7b --global-batch-size 8 "
+     "--micro-batch-size 8 --activation-checkpointing selective --compile"),
+    ("7b 16 layers mbs2 none+compile", 1, 4096, "--model {models}/ds7b16 --global-batch-size 2 --micro-batch-size 2 "
+     "--activation-checkpointing none --compile"),
+    ("qwen-1.5b mbs6 none+compile", 1, 4096, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 6 "
+     "--micro-batch-size 6 --activation-checkpointing none --compile"),
+    ("qwen-1.5b seq16384 mbs1 selective+compile", 1, 16384, "--model deepseek-r1-distill-qwen-1.5b "
+     "--global-batch-size 1 --micro-batch-size 1 --activation-checkpointing selective --compile"),
+    ("qwen-7b 10 layers mbs2 none+compile", 1, 4096, "--model {models}/qwen7b10 --global-batch-size 2 "
+     "--micro-batch-size 2 --activation-checkpointing none --compile"),
+    ("qwen-7b 14 layers seq2048 mbs4 none+compile", 1, 2048, "--model {models}/qwen7b14 --global-batch-size 4 "
+     "--micro-batch-size 4 --activation-checkpointing none --compile"),
+    ("llama-8b 16 layers seq2048 mbs4 selective+compile", 1, 2048, "--model {models}/llama8b16 "
+     "--global-batch-size 4 --micro-batch-size 4 --activation-checkpointing selective --compile"),
+    ("v2lite4 mbs4 none+compile", 1, 4096, "--model {models}/v2lite4 --global-batch-size 4 --micro-batch-size 4 "
+     "--activation-checkpointing none --compile"),
+    ("v2lite10 mbs1 selective+compile gbs2", 1, 4096, "--model {models}/v2lite10 --global-batch-size 2 "
+     "--micro-batch-size 1 --activation-checkpointing selective --compile"),
+]
+LISTS = {"2gpu": OOS, "1gpu": OOS_1GPU, "1gpu-b": OOS_1GPU_B, "1gpu-c": OOS_1GPU_C}
 CUTS = {"v2lite14": ("deepseek-v2-lite", 14), "v2lite6": ("deepseek-v2-lite", 6), "v2lite8": ("deepseek-v2-lite", 8),
+        "v2lite4": ("deepseek-v2-lite", 4), "v2lite10": ("deepseek-v2-lite", 10), "ds7b16": ("deepseek-llm-7b", 16),
+        "qwen7b10": ("deepseek-r1-distill-qwen-7b", 10),
         "llama8b16": ("deepseek-r1-distill-llama-8b", 16), "llama8b12": ("deepseek-r1-distill-llama-8b", 12),
         "qwen7b14": ("deepseek-r1-distill-qwen-7b", 14), "ds7b12": ("deepseek-llm-7b", 12)}
 
@@ -167,9 +191,12 @@ def write(path: Path, which: str) -> None:
            "machine": "nvidia-h200-x2 (2x H200, 2 GPUs per node; the 1-GPU runs use one of them)" if which == "2gpu"
            else "nvidia-h200 (one H200)",
            "measured_memory": "torch.cuda.max_memory_allocated, against the planner's total as BENCHMARKS.md compares"
-           if which != "1gpu-b" else "the criterion: the planner's total less the CUDA context against "
+           if which == "1gpu" else "the criterion: the planner's total less the CUDA context against "
            "torch.cuda.max_memory_reserved (the allocator's peak holdings: what an OOM is decided on); also reported: "
-           "the planner's items without context and fragmentation against max_memory_allocated",
+           "the planner's items without context and fragmentation against max_memory_allocated" if which == "1gpu-b"
+           else "the criterion: the planner's items (its total less the CUDA context and the allocator's "
+           "fragmentation) against torch.cuda.max_memory_allocated; also reported: the total less the context against "
+           "max_memory_reserved",
            "models": "{models}/NAME: a preset's config cut to fewer layers (oos.py: CUTS, written by --run)",
            "runs": runs}
     path.parent.mkdir(parents=True, exist_ok=True)
