@@ -487,8 +487,10 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         # Gathered bf16 compute copies and unsharded grads awaiting reduction.
         if not fsdp:  # DDP + autocast: bf16 casts of every weight live from forward to backward; gradient buckets
             bf16, unreduced = BF16 * local, FP32 * local  # are copies (gradient_as_bucket_view=False, the default)
+            head_grads = unreduced
         elif plan.pp > 1:  # pipelining keeps params gathered and grads unsynced until the last micro-batch
             bf16, unreduced = BF16 * local, FP32 * local
+            head_grads = unreduced
         else:
             # The block in use + the prefetched one (or every block when not resharded after forward), plus
             # FSDP2's root (embedding, head), which is not resharded after forward.
@@ -496,8 +498,9 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             # bf16 grads of the block being reduced + their fp32 reduce-scatter input; the root's (embedding, head)
             # bf16 grads wait for the end of backward
             unreduced = (BF16 + FP32) * s.block_max + BF16 * s.root
+            head_grads = BF16 * s.root  # while the head's backward runs, no block's grads are being reduced yet
         if plan.lora is not None:  # only the adapters have gradients (at most all of this rank's, unsharded)
-            unreduced = (BF16 + FP32) * trained * plan.dp_shard
+            unreduced = head_grads = (BF16 + FP32) * trained * plan.dp_shard
         # Activations: micro-batches in flight x this rank's layers; backward rematerializes one block whole
         # (full) or its elementwise part (selective).
         acts = in_flight(plan, r, m) * tokens * s.act[ac + ("+compile" if plan.compile else "")]
@@ -512,7 +515,7 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         # reduce_tp_grads concatenates this rank's (dp-sharded) fp32 grads of the tp-replicated params into one flat
         # buffer for its all-reduce, after backward (every block resharded by then).
         tp_flat = FP32 * s.tp_partial / plan.dp_shard * on_gpu
-        # Five moments can hold the peak. Grads exist before the last micro-batch's backward only when accumulating
+        # Six moments can hold the peak. Grads exist before the last micro-batch's backward only when accumulating
         # (m > 1): zero_grad(set_to_none=True) frees them every step.
         # Pipelining accumulates unsharded grads instead (FSDP2 syncs only in the last micro-batch's backward).
         pipelined = fsdp and plan.pp > 1
@@ -522,8 +525,12 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             # the loss: every activation in flight, logits in bf16 + fp32 + fp32 log-softmax
             # (pipelined: from the first backward on, the unsharded grads accumulate beside the activations)
             "loss": base + (unreduced if pipelined else acc) + bf16 + acts + loss_bytes * logits + dispatch,
-            # early backward: a block rematerialized, its grads being reduced, the logits' fp32 + bf16 grads
-            "backward": base + acc + bf16 + acts + recompute + unreduced + grad_bytes * logits + dispatch,
+            # the head's backward: the logits' grads beside every activation (the blocks' grads not yet made)
+            "head_backward": base + acc + bf16 + acts + head_grads + grad_bytes * logits + dispatch,
+            # early backward: a block rematerialized and its grads being reduced; the logits' grads are freed once
+            # the head's backward has made its input's grad (measured: counting both together over-predicted the
+            # no-checkpointing 1-GPU runs of call 18 by 3-5 GiB, about the smaller of the two)
+            "backward": base + acc + bf16 + acts + recompute + unreduced + dispatch,
             # pipelined: each block's unsharded grads are freed as its sharded ones are written
             "end_of_backward": base + bf16 + (max(grads, unreduced) if pipelined else grads + unreduced),
             "tp_grad_reduce": base + grads + tp_flat,
@@ -532,17 +539,18 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         phase = max(moments, key=moments.__getitem__)
         if worst is None or moments[phase] > worst[0]:
             worst = (moments[phase], r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute,
-                                                 logits, dispatch, comm, trained, tp_flat))
+                                                 logits, dispatch, comm, trained, tp_flat, head_grads))
     peak, r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute, logits, dispatch, comm,
-                     trained, tp_flat) = worst
-    during = phase in ("loss", "backward")  # activations alive
+                     trained, tp_flat, head_grads) = worst
+    during = phase in ("loss", "head_backward", "backward")  # activations alive
     items = {
         "parameters": params, "gradients": acc if during else grads, "optimizer_states": optim,
         "bf16_params": bf16 if phase not in ("tp_grad_reduce", "optimizer_step") else 0.0,
         "unreduced_grads": unreduced if phase in ("backward", "end_of_backward") or (phase == "loss" and pipelined)
-        else 0.0,
+        else head_grads if phase == "head_backward" else 0.0,
         "activations": acts if during else 0.0, "recompute": recompute if phase == "backward" else 0.0,
-        "logits_loss": (loss_bytes if phase == "loss" else grad_bytes) * logits if during else 0.0,
+        "logits_loss": (loss_bytes if phase == "loss" else grad_bytes) * logits if phase in ("loss", "head_backward")
+        else 0.0,
         "moe_dispatch": dispatch if during else 0.0, "comm_buffers": comm,
         "tp_grad_buffer": tp_flat if phase == "tp_grad_reduce" else 0.0,
         "optimizer_step_temp": OPTIM_TEMP_BYTES * trained * on_gpu if phase == "optimizer_step" else 0.0,
