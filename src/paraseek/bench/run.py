@@ -113,7 +113,8 @@ def _measure(cfg, warmup: int, workdir: Path, quiet_stdout: bool) -> dict[str, A
         "tokens_per_s_per_gpu": median(r["tokens_per_s_per_gpu"] for r in steps),
         "mfu": median(mfus) if mfus else None,
         "mem_peak_gib": max(r["mem_peak_gib"] for r in steps),
-        "mem_peak_reserved_gib": max((r.get("mem_peak_reserved_gib") or 0.0 for r in steps), default=0.0) or None,
+        "mem_peak_reserved_gib": max((r["mem_peak_reserved_gib"] for r in steps if "mem_peak_reserved_gib" in r),
+                                     default=None),  # CUDA only
         "predicted": predicted,
     }
 

@@ -120,20 +120,16 @@ def _peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (process RSS peak)
 
 
-def _peak_reserved_gib(device: torch.device) -> float | None:
-    """The caching allocator's peak holdings: allocated plus its rounding and fragmentation (what an OOM is decided
-    on, less the CUDA context, which no torch counter sees)."""
-    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
-
-
 def _memory_metrics(device: torch.device) -> dict:
-    """The allocator's view on CUDA: allocated and reserved now, and cudaMalloc retries (each one a full cache
+    """The allocator's view on CUDA: allocated and reserved now, its peak holdings (allocated plus its rounding and
+    fragmentation: what an OOM is decided on, less the CUDA context) and cudaMalloc retries (each one a full cache
     flush: a sign of fragmentation or of running at the edge)."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)
     return {"mem_allocated_gib": stats.get("allocated_bytes.all.current", 0) / 2**30,
             "mem_reserved_gib": stats.get("reserved_bytes.all.current", 0) / 2**30,
+            "mem_peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
             "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
@@ -358,8 +354,7 @@ class Run:
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.world,
             "mfu": self.flops_per_token * tps / self.world / self.peak if self.peak else None,
-            "mem_peak_gib": _peak_memory_gib(self.device), "mem_peak_reserved_gib": _peak_reserved_gib(self.device),
-            "step_time_s": dt, **step_time_stats(rank_times),
+            "mem_peak_gib": _peak_memory_gib(self.device), "step_time_s": dt, **step_time_stats(rank_times),
             **_memory_metrics(self.device),
         }
         if self.scaler:
