@@ -85,80 +85,64 @@ OOS_1GPU = [
     ("qwen-1.5b seq8192 none+compile mbs2", 1, 8192, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 2 "
      "--micro-batch-size 2 --activation-checkpointing none --compile"),
 ]
+
+
+def compiled(name: str, seq: int, model: str, gbs: int, mbs: int, ac: str) -> tuple[str, int, int, str]:
+    """A compiled 1-GPU run of the later sets, as the lists hold it: (name, GPUs, seq, flags)."""
+    return (name, 1, seq, f"--model {model} --global-batch-size {gbs} --micro-batch-size {mbs} "
+                          f"--activation-checkpointing {ac} --compile")
+
+
 # One H200 again (2026-12-02), after GEMM_HALF_K was fitted on the runs above: shapes, sequence lengths and
 # micro-batches none of the fits saw, the same models cut to other depths, --plan auto at other batches.
 OOS_1GPU_B = [
-    ("7b seq2048 mbs4 selective+compile", 1, 2048, "--model deepseek-llm-7b --global-batch-size 4 "
-     "--micro-batch-size 4 --activation-checkpointing selective --compile"),
-    ("7b 12 layers mbs2 none+compile", 1, 4096, "--model {models}/ds7b12 --global-batch-size 2 --micro-batch-size 2 "
-     "--activation-checkpointing none --compile"),
-    ("qwen-1.5b seq2048 mbs8 none+compile", 1, 2048, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 8 "
-     "--micro-batch-size 8 --activation-checkpointing none --compile"),
-    ("qwen-1.5b mbs2 none+compile gbs2", 1, 4096, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 2 "
-     "--micro-batch-size 2 --activation-checkpointing none --compile"),
+    compiled("7b seq2048 mbs4 selective+compile", 2048, "deepseek-llm-7b", 4, 4, "selective"),
+    compiled("7b 12 layers mbs2 none+compile", 4096, "{models}/ds7b12", 2, 2, "none"),
+    compiled("qwen-1.5b seq2048 mbs8 none+compile", 2048, "deepseek-r1-distill-qwen-1.5b", 8, 8, "none"),
+    compiled("qwen-1.5b mbs2 none+compile gbs2", 4096, "deepseek-r1-distill-qwen-1.5b", 2, 2, "none"),
     ("qwen-1.5b seq8192 --plan auto gbs4", 1, 8192, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 4 "
      "--plan auto"),
-    ("qwen-7b 14 layers seq8192 mbs1 selective+compile", 1, 8192, "--model {models}/qwen7b14 --global-batch-size 1 "
-     "--micro-batch-size 1 --activation-checkpointing selective --compile"),
-    ("llama-8b 12 layers mbs2 none+compile", 1, 4096, "--model {models}/llama8b12 --global-batch-size 2 "
-     "--micro-batch-size 2 --activation-checkpointing none --compile"),
-    ("v2lite8 mbs2 selective+compile", 1, 4096, "--model {models}/v2lite8 --global-batch-size 2 --micro-batch-size 2 "
-     "--activation-checkpointing selective --compile"),
-    ("v2lite6 seq8192 mbs1 none+compile", 1, 8192, "--model {models}/v2lite6 --global-batch-size 2 "
-     "--micro-batch-size 1 --activation-checkpointing none --compile"),
+    compiled("qwen-7b 14 layers seq8192 mbs1 selective+compile", 8192, "{models}/qwen7b14", 1, 1, "selective"),
+    compiled("llama-8b 12 layers mbs2 none+compile", 4096, "{models}/llama8b12", 2, 2, "none"),
+    compiled("v2lite8 mbs2 selective+compile", 4096, "{models}/v2lite8", 2, 2, "selective"),
+    compiled("v2lite6 seq8192 mbs1 none+compile", 8192, "{models}/v2lite6", 2, 1, "none"),
 ]
 # A third set (2026-12-02, no planner change since the second): its memory criterion is named as the planner's items
 # (its total less the CUDA context and the allocator's fragmentation) against max_memory_allocated.
 OOS_1GPU_C = [
-    ("7b seq1024 mbs8 selective+compile", 1, 1024, "--model deepseek-llm-7b --global-batch-size 8 "
-     "--micro-batch-size 8 --activation-checkpointing selective --compile"),
-    ("7b 16 layers mbs2 none+compile", 1, 4096, "--model {models}/ds7b16 --global-batch-size 2 --micro-batch-size 2 "
-     "--activation-checkpointing none --compile"),
-    ("qwen-1.5b mbs6 none+compile", 1, 4096, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 6 "
-     "--micro-batch-size 6 --activation-checkpointing none --compile"),
-    ("qwen-1.5b seq16384 mbs1 selective+compile", 1, 16384, "--model deepseek-r1-distill-qwen-1.5b "
-     "--global-batch-size 1 --micro-batch-size 1 --activation-checkpointing selective --compile"),
-    ("qwen-7b 10 layers mbs2 none+compile", 1, 4096, "--model {models}/qwen7b10 --global-batch-size 2 "
-     "--micro-batch-size 2 --activation-checkpointing none --compile"),
-    ("qwen-7b 14 layers seq2048 mbs4 none+compile", 1, 2048, "--model {models}/qwen7b14 --global-batch-size 4 "
-     "--micro-batch-size 4 --activation-checkpointing none --compile"),
-    ("llama-8b 16 layers seq2048 mbs4 selective+compile", 1, 2048, "--model {models}/llama8b16 "
-     "--global-batch-size 4 --micro-batch-size 4 --activation-checkpointing selective --compile"),
-    ("v2lite4 mbs4 none+compile", 1, 4096, "--model {models}/v2lite4 --global-batch-size 4 --micro-batch-size 4 "
-     "--activation-checkpointing none --compile"),
-    ("v2lite10 mbs1 selective+compile gbs2", 1, 4096, "--model {models}/v2lite10 --global-batch-size 2 "
-     "--micro-batch-size 1 --activation-checkpointing selective --compile"),
+    compiled("7b seq1024 mbs8 selective+compile", 1024, "deepseek-llm-7b", 8, 8, "selective"),
+    compiled("7b 16 layers mbs2 none+compile", 4096, "{models}/ds7b16", 2, 2, "none"),
+    compiled("qwen-1.5b mbs6 none+compile", 4096, "deepseek-r1-distill-qwen-1.5b", 6, 6, "none"),
+    compiled("qwen-1.5b seq16384 mbs1 selective+compile", 16384, "deepseek-r1-distill-qwen-1.5b", 1, 1, "selective"),
+    compiled("qwen-7b 10 layers mbs2 none+compile", 4096, "{models}/qwen7b10", 2, 2, "none"),
+    compiled("qwen-7b 14 layers seq2048 mbs4 none+compile", 2048, "{models}/qwen7b14", 4, 4, "none"),
+    compiled("llama-8b 16 layers seq2048 mbs4 selective+compile", 2048, "{models}/llama8b16", 4, 4, "selective"),
+    compiled("v2lite4 mbs4 none+compile", 4096, "{models}/v2lite4", 4, 4, "none"),
+    compiled("v2lite10 mbs1 selective+compile gbs2", 4096, "{models}/v2lite10", 2, 1, "selective"),
 ]
 # A fourth set, written after the memory model split the head's backward from the blocks' (memory.py: head_backward)
 # and before any of it ran; the criterion as the third's.
 OOS_1GPU_D = [
-    ("7b 24 layers mbs2 selective+compile", 1, 4096, "--model {models}/ds7b24 --global-batch-size 2 "
-     "--micro-batch-size 2 --activation-checkpointing selective --compile"),
-    ("7b 8 layers mbs4 none+compile", 1, 4096, "--model {models}/ds7b8 --global-batch-size 4 --micro-batch-size 4 "
-     "--activation-checkpointing none --compile"),
-    ("qwen-1.5b mbs4 none+compile gbs4", 1, 4096, "--model deepseek-r1-distill-qwen-1.5b --global-batch-size 4 "
-     "--micro-batch-size 4 --activation-checkpointing none --compile"),
-    ("qwen-1.5b seq2048 mbs16 selective+compile", 1, 2048, "--model deepseek-r1-distill-qwen-1.5b "
-     "--global-batch-size 16 --micro-batch-size 16 --activation-checkpointing selective --compile"),
-    ("qwen-7b 14 layers mbs1 none+compile gbs2", 1, 4096, "--model {models}/qwen7b14 --global-batch-size 2 "
-     "--micro-batch-size 1 --activation-checkpointing none --compile"),
-    ("llama-8b 8 layers mbs4 none+compile", 1, 4096, "--model {models}/llama8b8 --global-batch-size 4 "
-     "--micro-batch-size 4 --activation-checkpointing none --compile"),
-    ("llama-8b 16 layers seq8192 mbs1 none+compile", 1, 8192, "--model {models}/llama8b16 --global-batch-size 1 "
-     "--micro-batch-size 1 --activation-checkpointing none --compile"),
-    ("v2lite6 mbs2 selective+compile gbs2", 1, 4096, "--model {models}/v2lite6 --global-batch-size 2 "
-     "--micro-batch-size 2 --activation-checkpointing selective --compile"),
-    ("v2lite12 mbs1 none+compile", 1, 4096, "--model {models}/v2lite12 --global-batch-size 1 --micro-batch-size 1 "
-     "--activation-checkpointing none --compile"),
+    compiled("7b 24 layers mbs2 selective+compile", 4096, "{models}/ds7b24", 2, 2, "selective"),
+    compiled("7b 8 layers mbs4 none+compile", 4096, "{models}/ds7b8", 4, 4, "none"),
+    compiled("qwen-1.5b mbs4 none+compile gbs4", 4096, "deepseek-r1-distill-qwen-1.5b", 4, 4, "none"),
+    compiled("qwen-1.5b seq2048 mbs16 selective+compile", 2048, "deepseek-r1-distill-qwen-1.5b", 16, 16, "selective"),
+    compiled("qwen-7b 14 layers mbs1 none+compile gbs2", 4096, "{models}/qwen7b14", 2, 1, "none"),
+    compiled("llama-8b 8 layers mbs4 none+compile", 4096, "{models}/llama8b8", 4, 4, "none"),
+    compiled("llama-8b 16 layers seq8192 mbs1 none+compile", 8192, "{models}/llama8b16", 1, 1, "none"),
+    compiled("v2lite6 mbs2 selective+compile gbs2", 4096, "{models}/v2lite6", 2, 2, "selective"),
+    compiled("v2lite12 mbs1 none+compile", 4096, "{models}/v2lite12", 1, 1, "none"),
 ]
 LISTS = {"2gpu": OOS, "1gpu": OOS_1GPU, "1gpu-b": OOS_1GPU_B, "1gpu-c": OOS_1GPU_C, "1gpu-d": OOS_1GPU_D}
-CUTS = {"v2lite14": ("deepseek-v2-lite", 14), "v2lite6": ("deepseek-v2-lite", 6), "v2lite8": ("deepseek-v2-lite", 8),
-        "v2lite4": ("deepseek-v2-lite", 4), "v2lite10": ("deepseek-v2-lite", 10), "ds7b16": ("deepseek-llm-7b", 16),
-        "v2lite12": ("deepseek-v2-lite", 12), "ds7b8": ("deepseek-llm-7b", 8), "ds7b24": ("deepseek-llm-7b", 24),
-        "llama8b8": ("deepseek-r1-distill-llama-8b", 8),
-        "qwen7b10": ("deepseek-r1-distill-qwen-7b", 10),
-        "llama8b16": ("deepseek-r1-distill-llama-8b", 16), "llama8b12": ("deepseek-r1-distill-llama-8b", 12),
-        "qwen7b14": ("deepseek-r1-distill-qwen-7b", 14), "ds7b12": ("deepseek-llm-7b", 12)}
+CUTS = {  # name -> (preset, layers): the configs of models_folder
+    "ds7b8": ("deepseek-llm-7b", 8), "ds7b12": ("deepseek-llm-7b", 12), "ds7b16": ("deepseek-llm-7b", 16),
+    "ds7b24": ("deepseek-llm-7b", 24),
+    "llama8b8": ("deepseek-r1-distill-llama-8b", 8), "llama8b12": ("deepseek-r1-distill-llama-8b", 12),
+    "llama8b16": ("deepseek-r1-distill-llama-8b", 16),
+    "qwen7b10": ("deepseek-r1-distill-qwen-7b", 10), "qwen7b14": ("deepseek-r1-distill-qwen-7b", 14),
+    "v2lite4": ("deepseek-v2-lite", 4), "v2lite6": ("deepseek-v2-lite", 6), "v2lite8": ("deepseek-v2-lite", 8),
+    "v2lite10": ("deepseek-v2-lite", 10), "v2lite12": ("deepseek-v2-lite", 12), "v2lite14": ("deepseek-v2-lite", 14),
+}
 
 
 def models_folder(root: Path) -> Path:
