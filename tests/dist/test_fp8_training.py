@@ -1,7 +1,7 @@
 """--fp8 on CPU through torchao's emulation (PARASEEK_FP8_EMULATE=1: the casts, the scales and the float8 FSDP2
 all-gather of the GPU path, with the matmuls in high precision; the speed-up is the GPU's): every recipe trains
 close to fp32 from the same seeded weights, and FSDP2 over 2 processes with the float8 all-gather (tensorwise) gives
-the one-process fp8 losses."""
+the one-process fp8 losses (one process has no gather: its weights are cast inside each linear)."""
 
 import pytest
 from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, step_losses

@@ -3,9 +3,9 @@
 DeepSeek-V3 trained in FP8 (its report, section 3.3): the matmuls of the projections in float8 with fine-grained
 scales, everything numerically delicate in higher precision. The recipes (torchao's, `--fp8 NAME`):
 
-    tensorwise     one scale per tensor, computed from its max each step; under FSDP2 the weights are all-gathered
-                   in float8 (half the bytes of bf16) and their scales precomputed once per step after the optimizer
-                   (`precompute_scales`). The fastest; the coarsest scales.
+    tensorwise     one scale per tensor, computed from its max each step; under FSDP2 with a shard > 1 the weights are
+                   all-gathered in float8 (half the bytes of bf16) and their scales precomputed once per step after the
+                   optimizer (`precompute_scales`). The fastest; the coarsest scales.
     rowwise        one scale per row (of activations, weights and gradients; torchao rounds each to a power of
                    two), a slower scaled GEMM, no float8 all-gather. Finer scales, yet measured further from bf16
                    than tensorwise on one H200 (BENCHMARKS.md, FP8 training: +3.1% vs +0.2% after 500 steps).
@@ -69,20 +69,20 @@ def fp8_filter(module: nn.Module, fqn: str) -> bool:
     return parent in _BLOCK_PARENTS and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def _config(recipe: str, fsdp: bool):
+def _config(recipe: str, float8_all_gather: bool):
     from torchao.float8 import Float8LinearConfig
 
     cfg = Float8LinearConfig.from_recipe_name(_TORCHAO_NAME[recipe])
-    return dataclasses.replace(cfg, enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise",
-                               emulate=emulated())
+    return dataclasses.replace(cfg, enable_fsdp_float8_all_gather=float8_all_gather, emulate=emulated())
 
 
-def apply_fp8(model: nn.Module, recipe: str, fsdp: bool) -> None:
+def apply_fp8(model: nn.Module, recipe: str, float8_all_gather: bool) -> None:
     """Swap the filtered linears of `model` (on the meta device, before AC, compile and FSDP2 wrap it) for torchao's
-    float8 linears."""
+    float8 linears; `float8_all_gather` (tensorwise, FSDP2 with a shard > 1) casts the weights before FSDP2 gathers
+    them, instead of inside each linear."""
     from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(model, config=_config(recipe, fsdp), module_filter_fn=fp8_filter)
+    convert_to_float8_training(model, config=_config(recipe, float8_all_gather), module_filter_fn=fp8_filter)
 
 
 def precompute_scales(model: nn.Module) -> None:

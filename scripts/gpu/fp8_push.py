@@ -1,0 +1,81 @@
+"""Issue #19's fp8 speed experiments on one GPU: DeepSeek-LLM-7B with its best bf16 flags and --fp8, under variants
+of main's code, each a patched copy of src/paraseek (so one call compares them; main is never changed by this).
+
+    python scripts/gpu/fp8_push.py RUN[,RUN...] --out DIR [--anchors DIR]
+
+RUN is RECIPE:VARIANT (bench of deepseek-llm-7b) or tt:RECIPE (anchors' torchtitan_peer.sh ds7b, compiled, float8).
+Variants (joined with +):
+  main   main's code.
+  save   selective checkpointing also keeps the float8 GEMMs' outputs (aten._scaled_mm) and the abs-maxes the
+         scales come from (aten.max), as it keeps the bf16 matmuls' (TorchTitan keeps max, not _scaled_mm).
+
+Call 19 (2026-12-02) also ran a variant `noag`: with one data-parallel rank, no float8 all-gather (the weights cast
+inside the compiled blocks, not in FSDP2's eager pre-gather hook). It was 9% faster and is main's code since.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import validate as v  # noqa: E402
+
+PATCHES = {
+    "save": [("parallel/parallelize.py",
+              "    torch.ops._c10d_functional.all_to_all_single.default,  # expert dispatch: never redo communication\n",
+              "    torch.ops._c10d_functional.all_to_all_single.default,  # expert dispatch: never redo communication\n"
+              "    torch.ops.aten._scaled_mm.default,\n    torch.ops.aten.max.default,\n")],
+}
+
+
+def variant_src(name: str) -> str:
+    """A copy of src/ with the variant's patches applied (each must match exactly once)."""
+    dest = Path("/tmp/fp8-variants") / name
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(v.ROOT / "src", dest)
+    for part in name.split("+"):
+        for rel, old, new in PATCHES.get(part, []):
+            path = dest / "paraseek" / rel
+            text = path.read_text()
+            assert text.count(old) == 1, f"variant {part}: patch target not found once in {rel}"
+            path.write_text(text.replace(old, new))
+    return str(dest)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/fp8push"))
+    p.add_argument("--anchors", default=str(v.ROOT / ".anchors"))
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {v.N} GPU(s)", flush=True)
+    base_path = v.ENV["PYTHONPATH"].split(os.pathsep, 1)[1:]  # what the caller added (torchao), after src
+    rows = []
+    for run in a.runs.split(","):
+        what, how = run.split(":")
+        if what == "tt":
+            r = v.torchtitan(a.anchors, f"ds7b float8 {how}", "ds7b", "--model.converters", "quantize.linear.float8",
+                             "--quantize.linear.float8.recipe_name", how)
+        else:
+            v.ENV["PYTHONPATH"] = os.pathsep.join([variant_src(how), *base_path])
+            r = v.bench_run(f"7b fp8 {what} [{how}]", v.N, ["--model", "deepseek-llm-7b", *v.SEVEN_BEST,
+                                                              "--fp8", what], timeout=240)
+        r.pop("lines", None)
+        rows.append(r)
+        (out / "results.json").write_text(json.dumps(rows, indent=1))
+    print("| run | tokens/s/GPU | MFU | peak GiB | step s |")
+    for r in rows:
+        print(f"| {r['name']} | {r.get('tokens_per_s_per_gpu')} | {r.get('mfu')} | {r.get('mem_peak_gib')} | "
+              f"{r.get('step_time_s')} |")
+
+
+if __name__ == "__main__":
+    main()
