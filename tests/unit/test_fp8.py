@@ -22,14 +22,21 @@ def test_the_filter_takes_block_projections_with_dims_of_16():
 
 
 def test_where_fp8_cannot_run(monkeypatch):
+    from paraseek.planner.dims import ParallelDims
+
     monkeypatch.delenv("PARASEEK_FP8_EMULATE", raising=False)
-    common = dict(tp=1, pp=1, lora=False, ddp=False)
-    assert fp8_problem("off", "cpu", None, **common) is None
-    assert "needs a GPU with float8 tensor cores" in fp8_problem("rowwise", "cpu", None, **common)
-    assert "this GPU has 8.0" in fp8_problem("tensorwise", "cuda", (8, 0), **common)
-    assert fp8_problem("tensorwise", "cuda", (9, 0), **common) is None
-    assert "--fp8 with --tp is not supported yet" in fp8_problem("tensorwise", "cuda", (9, 0), **{**common, "tp": 2})
-    assert "not with DDP" in fp8_problem("tensorwise", "cuda", (9, 0), **{**common, "ddp": True})
+    one = ParallelDims()
+    assert fp8_problem("off", "cpu", None, one, lora=False) is None
+    assert "needs a GPU with float8 tensor cores" in fp8_problem("rowwise", "cpu", None, one, lora=False)
+    assert "this GPU has 8.0" in fp8_problem("tensorwise", "cuda", (8, 0), one, lora=False)
+    assert fp8_problem("tensorwise", "cuda", (9, 0), one, lora=False) is None
+    assert fp8_problem("tensorwise", "cuda", (9, 0), ParallelDims(dp_replicate=2, dp_shard=2), lora=False) is None
+    assert "--fp8 with --tp is not supported yet" in fp8_problem("tensorwise", "cuda", (9, 0),
+                                                                 ParallelDims(tp=2), lora=False)
+    assert "--fp8 with --pp is not supported yet" in fp8_problem("rowwise", "cuda", (9, 0),
+                                                                 ParallelDims(pp=2, pp_schedule="1F1B"), lora=False)
+    assert "--lora-rank" in fp8_problem("rowwise", "cuda", (9, 0), one, lora=True)
+    assert "not with DDP" in fp8_problem("tensorwise", "cuda", (9, 0), ParallelDims(dp_replicate=2), lora=False)
 
 
 def test_train_refuses_fp8_on_cpu_in_one_line(capsys, monkeypatch):
@@ -71,6 +78,24 @@ def test_fp8_prices_the_block_projections_and_the_float8_all_gather():
     assert t["tensorwise"]["fsdp_comm"] < t["off"]["fsdp_comm"]
     assert t["rowwise"]["fsdp_comm"] == t["off"]["fsdp_comm"]
     assert FP8_LINEAR_SPEEDUP["tensorwise"] > FP8_LINEAR_SPEEDUP["rowwise"] > FP8_LINEAR_SPEEDUP["rowwise-gw-hp"] > 1
+
+
+def test_the_float8_all_gather_and_its_eager_casts_only_where_there_is_a_gather():
+    from paraseek.planner import make_cluster
+    from paraseek.planner.cost import FP8_GATHER_CAST_BYTES
+    from paraseek.planner.memory import model_terms, rank_shares
+
+    args, _, _ = resolve_model("deepseek-llm-7b")
+    one = _times("deepseek-llm-7b", 1, dp_shard=1, micro_batch_size=2)
+    two = _times("deepseek-llm-7b", 2, dp_shard=2, micro_batch_size=2)
+    # one shard: the weights are cast inside the compiled linears (the factor holds that), FSDP2 copies bf16
+    assert one["tensorwise"]["fp8_gather_casts"] == 0 and one["tensorwise"]["fsdp_copies"] == one["off"]["fsdp_copies"]
+    assert all(t["fp8_gather_casts"] == 0 for f, t in two.items() if f != "tensorwise")
+    # two shards: each rank casts its half of the projections, 16 B a parameter, in each of the 2 gathers of each of
+    # the 4 micro-batches of each rank (16 sequences over 2 ranks at 2 each), at the H200's memory rate
+    s = rank_shares(model_terms(args, 4096), 1, 1, 1, 1, "none")[0]
+    want = 4 * 2 * FP8_GATHER_CAST_BYTES * (s.dense - s.root) / 2 / (make_cluster("H200", 2).hbm_gbps * 1e9)
+    assert two["tensorwise"]["fp8_gather_casts"] == pytest.approx(want, rel=1e-9)
 
 
 def test_the_search_keeps_fp8_and_refuses_it_without_float8_cores():

@@ -184,6 +184,25 @@ def test_scaling_prints_only_plans_that_train_accepts(name, gpu, counts, gbs, ex
             assert r["efficiency_note"].startswith("above 100%")
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_plans_are_only_ones_train_accepts(recipe, monkeypatch):
+    """--fp8 composes with neither tp, pp nor DDP in the engine (yet): the ranking, whose best 8-GPU bf16 plans for
+    the 7B include pp=2 and tp=2, holds none of them, and train validates every printed command."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))  # an H200's; a CPU has none
+    rc, out = run_plan_cli("--model", "deepseek-llm-7b", "--gpus", "8", "--gpu-type", "H200", "--global-batch-size",
+                           "64", "--fp8", recipe, "--json")
+    plans = json.loads(out)["plans"]
+    assert rc == 0 and plans
+    for p in plans:
+        assert p["tp"] == 1 and p["pp"] == 1 and p["dp_shard"] > 1 and f"--fp8 {recipe}" in p["command"]
+        train_accepts(p["command"])
+    rc, out = run_plan_cli("--model", "deepseek-llm-7b", "--gpus", "8", "--gpu-type", "H200", "--global-batch-size",
+                           "64", "--json")
+    assert any(p["tp"] > 1 or p["pp"] > 1 for p in json.loads(out)["plans"])
+
+
 def test_the_67b_case_falls_with_flat_sharding_across_nodes_and_recovers_with_hsdp():
     """The seed's case (DeepSeek-LLM-67B on 4, 8, 16 A100-80GB, 8 per node: efficiency 82% -> 53% at 16 GPUs, 78%
     with hierarchical all-reduce). On a network with a small NIC share per GPU (1.5 GB/s: one 100 Gb/s NIC for 8

@@ -28,6 +28,8 @@ import os
 
 from torch import nn
 
+from paraseek.planner.dims import ParallelDims, fp8_engine_problem
+
 RECIPES = ("tensorwise", "rowwise", "rowwise-gw-hp")
 _TORCHAO_NAME = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise-gw-hp": "rowwise_with_gw_hp"}
 _BLOCK_PARENTS = ("self_attn", "mlp", "shared_experts")  # the projections of a block
@@ -38,9 +40,10 @@ def emulated() -> bool:
     return os.environ.get("PARASEEK_FP8_EMULATE") == "1"
 
 
-def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, *, tp: int, pp: int, lora: bool,
-                ddp: bool) -> str | None:
-    """Why `--fp8 recipe` cannot run here, or None. Checked before launch."""
+def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, dims: ParallelDims, *,
+                lora: bool) -> str | None:
+    """Why `--fp8 recipe` cannot run here, or None. Checked before launch; what it composes with is the planner's
+    rule (planner/dims.py: fp8_engine_problem), so `plan` never ranks what this refuses."""
     if recipe == "off":
         return None
     if device == "cpu" and not emulated():
@@ -48,11 +51,8 @@ def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, *,
     if device == "cuda" and capability is not None and tuple(capability) < MIN_CAPABILITY:
         return (f"--fp8 needs float8 tensor cores (compute capability 8.9+: Ada, Hopper); this GPU has "
                 f"{capability[0]}.{capability[1]}; leave it out (bf16 is this GPU's fastest)")
-    for flag, on in (("--tp", tp > 1), ("--pp", pp > 1), ("--lora-rank", lora)):
-        if on:
-            return f"--fp8 with {flag} is not supported yet; leave one of them out"
-    if ddp:
-        return "--fp8 runs with FSDP2 (--dp-shard > 1 or one process), not with DDP (--dp-shard 1 over replicas)"
+    if problem := fp8_engine_problem(dims, lora):
+        return problem
     try:
         import torchao.float8  # noqa: F401
     except ImportError:

@@ -80,10 +80,15 @@ COMPILED_LOSS_TRAFFIC = 6.0
 
 
 # --fp8: the block projections' GEMM time relative to bf16, the casts and scale reductions included. Fitted on our fp8
-# runs on one H200 (7B and the Llama-3.1-8B shape cut to 16 layers, compiled, selective AC, mbs 2: docs/planner.md,
-# "FP8"); rowwise-gw-hp keeps the weight-gradient third in bf16: 1 / (2/3 / 1.13 + 1/3), derived.
-FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.29, "rowwise": 1.13, "rowwise-gw-hp": 1.08}
+# runs on one H200 (7B and the Llama-3.1-8B shape cut to 16 layers, compiled, selective AC, mbs 2, call 20:
+# docs/planner.md, "FP8"); rowwise-gw-hp keeps the weight-gradient third in bf16: 1 / (2/3 / 1.142 + 1/3), derived.
+FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.46, "rowwise": 1.14, "rowwise-gw-hp": 1.09}
 FP8 = 1  # bytes per param of a float8 all-gather
+# Tensorwise's float8 all-gather (FSDP2 with a shard > 1) casts each rank's fp32 shard in FSDP2's eager pre-gather
+# hook, every gather: a scale multiply, a clamp and a convert (4+4, 4+4, 4+1 = 21 B a parameter), in place of the
+# cast fused into the compiled linear (a bf16 read, its abs-max read, a float8 write: 5 B). From the kernels, not
+# fitted; on one rank it comes to 15.7 B measured (7B, call 19: 15,106 vs 16,530 tokens/s with and without it).
+FP8_GATHER_CAST_BYTES = 21 - 5
 
 # Linear efficiency (Efficiency.linear, COMPILE_GEMM_GAIN) was fitted on 4096-wide models. A narrower model runs
 # its projections as GEMMs with a shorter reduction dimension K = dim (every forward projection but the MLP's
@@ -202,8 +207,10 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     n_blocks = max(len(s.layers), 1)
     dense, experts = s.dense, s.experts / ep
 
-    # tensorwise --fp8 all-gathers the block projections in float8 (the root and the norms stay bf16)
-    gathered = FP8 * (dense - s.root) + BF16 * s.root if plan.fp8 == "tensorwise" else BF16 * dense
+    # tensorwise --fp8 all-gathers the block projections in float8 (the root and the norms stay bf16), where there is
+    # a gather (parallel/parallelize.py: one shard casts inside the compiled linears instead)
+    float8_gather = plan.fp8 == "tensorwise" and plan.dp_shard > 1
+    gathered = FP8 * (dense - s.root) + BF16 * s.root if float8_gather else BF16 * dense
 
     def fsdp_round(gathers: int) -> float:
         shard, expert_dp = plan.stride("dp_shard"), plan.stride("expert_dp")
@@ -228,6 +235,8 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     single = (COMPILE_SINGLE_RANK if plan.compile else 2.0) if plan.dp_shard == 1 else 1.0
     items["fsdp_copies"] = (single * rounds * (gathers * FSDP_COPY_BYTES[0] + FSDP_COPY_BYTES[1]) * (dense + experts)
                             / hbm if not plan.ddp else 0.0)
+    items["fp8_gather_casts"] = (rounds * gathers * FP8_GATHER_CAST_BYTES * (dense - s.root) / plan.dp_shard / hbm
+                                 if float8_gather else 0.0)
     owned = (s.dense + s.experts) / plan.dp_shard
     # HSDP/DDP: all-reduce of the (sharded) fp32 grads over dp_replicate, behind the last backward.
     ar = collective(c, FP32 * owned, plan.stride("dp_replicate"), plan.dp_replicate, "all_reduce")

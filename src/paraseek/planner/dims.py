@@ -180,6 +180,17 @@ def _pp_problem(d: ParallelDims, args: ModelArgs, engine: bool, compile: bool, p
     return ""
 
 
+def fp8_engine_problem(d: ParallelDims, lora: bool) -> str:
+    """What `--fp8` does not compose with in the engine (yet): the CLI (parallel/fp8.py: fp8_problem) and the
+    planner's ranking (Plan.problem) ask this one rule."""
+    for flag, on in (("--tp", d.tp > 1), ("--pp", d.pp > 1), ("--lora-rank", lora)):
+        if on:
+            return f"--fp8 with {flag} is not supported yet; leave one of them out"
+    if d.ddp:
+        return "--fp8 runs with FSDP2 (--dp-shard > 1 or one process), not with DDP (--dp-shard 1 over replicas)"
+    return ""
+
+
 def _engine_problem(d: ParallelDims, cpu_offload: bool) -> str:
     """What the engine does not compose (yet)."""
     if d.tp > 1 and d.dp_shard == 1 and d.dp_replicate > 1:

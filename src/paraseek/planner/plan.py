@@ -10,7 +10,7 @@ from pathlib import Path
 from paraseek.errors import UserError
 from paraseek.hardware.specs import GPU_SPECS, GPUSpec, resolve_gpu_type, spec_for_device_name
 from paraseek.models.lora_spec import LoRASpec
-from paraseek.planner.dims import ParallelDims
+from paraseek.planner.dims import ParallelDims, fp8_engine_problem
 
 AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recompute first
 # The pipeline schedules the planner prices (of dims.SCHEDULES: LoopedBFS and InterleavedZeroBubble run, unpriced).
@@ -56,9 +56,12 @@ class Plan(ParallelDims):
         return asdict(self)
 
     def problem(self, args, seq_len: int, micro_batches: int | None = None, **options) -> str:
-        """ParallelDims.problem with this plan's own offload, compile and precision unless given."""
+        """ParallelDims.problem with this plan's own offload, compile and precision unless given, and (engine
+        rules on) what its --fp8 does not compose with."""
         options = {"cpu_offload": self.cpu_offload, "compile": self.compile, "precision": self.precision, **options}
-        return super().problem(args, seq_len, micro_batches, **options)
+        fp8 = self.fp8 != "off" and options.get("engine", True)
+        return (super().problem(args, seq_len, micro_batches, **options)
+                or (fp8 and fp8_engine_problem(self, self.lora is not None)) or "")
 
     def replace(self, **changes) -> Plan:
         return replace(self, **changes)
