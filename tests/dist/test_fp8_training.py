@@ -1,7 +1,8 @@
 """--fp8 on CPU through torchao's emulation (PARASEEK_FP8_EMULATE=1: the casts, the scales and the float8 FSDP2
 all-gather of the GPU path, with the matmuls in high precision; the speed-up is the GPU's): every recipe trains
 close to fp32 from the same seeded weights, and FSDP2 over 2 processes with the float8 all-gather (tensorwise) gives
-the one-process fp8 losses (one process has no gather: its weights are cast inside each linear)."""
+the one-process fp8 losses (one process has no gather: its weights are cast inside each linear), as do HSDP and a
+pipeline over FSDP2 (the scales precomputed over the stages' view)."""
 
 import pytest
 from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, step_losses
@@ -28,3 +29,19 @@ def test_recipes_track_fp32_and_fsdp2_matches_one_process(tmp_path, monkeypatch)
     # scales, and FSDP2's float8 all-gather the same weight scales (amax over the shards); only reductions reorder.
     fsdp = losses("fsdp2", "--nproc", "2", "--dp-shard", "2", "--fp8", "tensorwise")
     assert_same_losses(fsdp, runs["tensorwise"], rtol=1e-3)
+
+
+def test_tensorwise_under_hsdp_and_pp_matches_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
+    init = seed_checkpoint("tiny-dense", tmp_path / "init")
+
+    def losses(name, *flags):  # micro-batches of 2 sequences everywhere: the same activation scales
+        run_train(*EXACT, "--steps", "3", "--micro-batch-size", "2", "--init-from", str(init), "--fp8", "tensorwise",
+                  "--metrics-jsonl", f"{name}.jsonl", *flags, cwd=tmp_path)
+        return step_losses(tmp_path / f"{name}.jsonl")
+
+    ref = losses("one", "--nproc", "1")
+    # HSDP: the float8 all-gather inside each replica, the fp32 grads all-reduced across
+    assert_same_losses(losses("hsdp", "--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2"), ref, rtol=1e-4)
+    # 2 stages, each sharded over 2 ranks: every stage converted, its float8 all-gather's scales precomputed
+    assert_same_losses(losses("pp2", "--nproc", "4", "--pp", "2", "--dp-shard", "2"), ref, rtol=1e-4)

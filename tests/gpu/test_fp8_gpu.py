@@ -61,3 +61,14 @@ def test_tensorwise_composes_with_compile_and_selective_checkpointing(tmp_path, 
     got = _tail_loss(tmp_path, init, "tensorwise-compiled", "--compile", "--activation-checkpointing", "selective",
                      "--fp8", "tensorwise")
     assert abs(got - ref) / ref < TOLERANCE, (got, ref)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", [["--dp-shard", "2"], ["--pp", "2"]], ids=["fsdp2-float8-all-gather", "pp2"])
+def test_tensorwise_on_two_gpus_follows_bf16(tmp_path, init, layout):
+    """Two ranks: the float8 all-gather with its per-step scale precompute (dp_shard 2), and the pipeline's stages
+    each converted (pp 2; CPU-equal to one process through torchao's emulation: tests/dist/test_fp8_training.py)."""
+    flags = ["--nproc", "2", *layout, "--compile", "--activation-checkpointing", "selective"]
+    ref = _tail_loss(tmp_path, init, "bf16-2gpu", *flags)
+    got = _tail_loss(tmp_path, init, "tensorwise-2gpu", *flags, "--fp8", "tensorwise")
+    assert abs(got - ref) / ref < TOLERANCE, (layout, got, ref)

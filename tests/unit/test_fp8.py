@@ -33,8 +33,7 @@ def test_where_fp8_cannot_run(monkeypatch):
     assert fp8_problem("tensorwise", "cuda", (9, 0), ParallelDims(dp_replicate=2, dp_shard=2), lora=False) is None
     assert "--fp8 with --tp is not supported yet" in fp8_problem("tensorwise", "cuda", (9, 0),
                                                                  ParallelDims(tp=2), lora=False)
-    assert "--fp8 with --pp is not supported yet" in fp8_problem("rowwise", "cuda", (9, 0),
-                                                                 ParallelDims(pp=2, pp_schedule="1F1B"), lora=False)
+    assert fp8_problem("rowwise", "cuda", (9, 0), ParallelDims(pp=2, pp_schedule="1F1B"), lora=False) is None
     assert "--lora-rank" in fp8_problem("rowwise", "cuda", (9, 0), one, lora=True)
     assert "not with DDP" in fp8_problem("tensorwise", "cuda", (9, 0), ParallelDims(dp_replicate=2), lora=False)
 

@@ -183,7 +183,7 @@ def _pp_problem(d: ParallelDims, args: ModelArgs, engine: bool, compile: bool, p
 def fp8_engine_problem(d: ParallelDims, lora: bool) -> str:
     """What `--fp8` does not compose with in the engine (yet): the CLI (parallel/fp8.py: fp8_problem) and the
     planner's ranking (Plan.problem) ask this one rule."""
-    for flag, on in (("--tp", d.tp > 1), ("--pp", d.pp > 1), ("--lora-rank", lora)):
+    for flag, on in (("--tp", d.tp > 1), ("--lora-rank", lora)):
         if on:
             return f"--fp8 with {flag} is not supported yet; leave one of them out"
     if d.ddp:
