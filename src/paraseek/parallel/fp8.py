@@ -8,7 +8,7 @@ scales, everything numerically delicate in higher precision. The recipes (torcha
                    optimizer (`precompute_scales`). The fastest; the coarsest scales.
     rowwise        one scale per row (of activations, weights and gradients; torchao rounds each to a power of
                    two), a slower scaled GEMM, no float8 all-gather. Finer scales, yet measured further from bf16
-                   than tensorwise on one H200 (BENCHMARKS.md, FP8 training: +3.1% vs +0.2% after 500 steps).
+                   than tensorwise on one H200 (BENCHMARKS.md, FP8 training: +3.1% vs +0.07-0.2% after 500 steps).
     rowwise-gw-hp  rowwise, with the weight-gradient GEMM kept in high precision (torchao's rowwise_with_gw_hp).
 
 What is converted (`fp8_filter`): the nn.Linear of the attention and MLP projections (dense MLPs and shared
