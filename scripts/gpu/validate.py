@@ -32,6 +32,7 @@ Groups (each fits one 10-minute device call on 2x H200):
   fp8parity  500 steps (seq 2048) of the 7B width cut to 4 layers from one seeded bf16 initialization on the bundled corpus,
         bf16 vs each recipe: the curves (JSONL under --out) and the gap of the last 50 steps' mean loss
         (PARITY_RECIPES=off,tensorwise for fewer; bf16 first).
+  tp2compile  the 7B width cut to 4 layers on all GPUs: FSDP2 vs tp=N, eager and compiled (issue #19's TP item).
   fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise and tensorwise (the
         attention and shared-expert projections; the routed experts stay bf16).
 """
@@ -496,6 +497,20 @@ def group_fp8llama(out: Path) -> list[dict]:
                       ["--model", llama, *SEVEN_BEST, "--fp8", recipe]) for recipe in ("off", "tensorwise", "rowwise")]
 
 
+def group_tp2compile(out: Path) -> list[dict]:
+    """Issue #19's TP item on 2 GPUs: the 7B width cut to 4 layers, FSDP2 over both vs tp=2, each eager and compiled
+    (selective checkpointing, micro-batch 2, seq 4096): tokens/s/GPU side by side."""
+    cut = folder("ds7b4", "deepseek-llm-7b", 4, weights=False)
+    runs = []
+    for compile_flag in ([], ["--compile"]):
+        tag = "compiled" if compile_flag else "eager"
+        common = ["--model", cut, "--seq-len", "4096", "--micro-batch-size", "2", "--activation-checkpointing",
+                  "selective", *compile_flag]
+        runs.append(bench_run(f"7b-4l fsdp2 x{N} {tag}", N, [*common, "--global-batch-size", str(2 * N)]))
+        runs.append(bench_run(f"7b-4l tp{N} {tag}", N, [*common, "--global-batch-size", "2", "--tp", str(N)]))
+    return runs
+
+
 def group_fp8parity(out: Path) -> list[dict]:
     init = folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True)
     common = ["--init-from", init, "--data", CORPUS, "--seq-len", "2048", "--global-batch-size", "2",
@@ -541,7 +556,8 @@ def main() -> None:
               "llama_zero2": group_llama_zero2, "push": group_push, "holdout": group_holdout,
               "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
               "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests,
-              "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe}.get(g)
+              "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
+              "tp2compile": group_tp2compile}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
