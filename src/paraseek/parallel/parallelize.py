@@ -33,6 +33,7 @@ from paraseek.models.lora_spec import LoRASpec
 from paraseek.parallel.expert import apply_expert_fsdp, apply_expert_parallel
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.tensor import apply_tensor_parallel
+from paraseek.planner.dims import float8_all_gather
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,12 +65,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activ
     if fp8 != "off":
         from paraseek.parallel.fp8 import apply_fp8
 
-        # The float8 all-gather only where there is a gather: with one shard FSDP2's "all-gather" is a local copy,
-        # and its eager pre-gather cast cost 9% of the 7B's tokens/s on one H200 against the same cast fused into
-        # the compiled block (BENCHMARKS.md, FP8: 15,106 vs 16,530, call 19).
-        float8_all_gather = fp8 == "tensorwise" and not dims.ddp and dims.dp_shard > 1
-        apply_fp8(model, fp8, float8_all_gather=float8_all_gather)
-        done.fp8_precompute = float8_all_gather
+        gather = float8_all_gather(dims, fp8)
+        apply_fp8(model, fp8, float8_all_gather=gather)
+        done.fp8_precompute = gather
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from paraseek.planner.dims import float8_all_gather
 from paraseek.planner.memory import (BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, compiled_loss, hot_ranks,
                                      rank_shares)
 from paraseek.planner.plan import Cluster, Plan
@@ -207,9 +208,8 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     n_blocks = max(len(s.layers), 1)
     dense, experts = s.dense, s.experts / ep
 
-    # tensorwise --fp8 all-gathers the block projections in float8 (the root and the norms stay bf16), where there is
-    # a gather (parallel/parallelize.py: one shard casts inside the compiled linears instead)
-    float8_gather = plan.fp8 == "tensorwise" and plan.dp_shard > 1
+    # tensorwise --fp8 all-gathers the block projections in float8 where they are sharded (the root stays bf16)
+    float8_gather = float8_all_gather(plan, plan.fp8)
     gathered = FP8 * (dense - s.root) + BF16 * s.root if float8_gather else BF16 * dense
 
     def fsdp_round(gathers: int) -> float:

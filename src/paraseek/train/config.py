@@ -217,9 +217,9 @@ _HELP = {
     "lora_rank": "LoRA rank r > 0: train low-rank adapters on the frozen --init-from model (Hu et al. 2021)",
     "lora_alpha": "LoRA alpha: adapters scaled by alpha / r (0: alpha = r)",
     "fp8": "float8 training of the attention and MLP projections (torchao; paraseek[fp8]): tensorwise (fastest, "
-           "float8 FSDP2 all-gather when sharded; on one H200 1.27x bf16 for a 7B, +0.1%% loss after 500 steps), rowwise "
-           "(a scale per row: 1.09x, +3.1%%), rowwise-gw-hp (rowwise, weight gradients in high precision: +1.7%%); the head, "
-           "router, embedding and routed experts stay in --precision. Needs an Ada/Hopper GPU",
+           "float8 FSDP2 all-gather when sharded; on one H200 1.27x bf16 for a 7B, +0.1%% loss after 500 steps), "
+           "rowwise (a scale per row: 1.09x, +3.1%%), rowwise-gw-hp (rowwise, weight gradients in high precision: "
+           "+1.7%%); the head, router, embedding and routed experts stay in --precision. Needs an Ada/Hopper GPU",
     "lora_targets": "what LoRA adapts, comma-separated: attention projections by name (q_proj, k_proj, v_proj, "
                     "o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), gate_proj/up_proj/down_proj (dense "
                     "MLPs), shared_experts, experts (routed, grouped), or attention, mlp, all (default: all)",
