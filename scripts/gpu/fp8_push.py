@@ -3,11 +3,15 @@ of main's code, each a patched copy of src/paraseek (so one call compares them; 
 
     python scripts/gpu/fp8_push.py RUN[,RUN...] --out DIR [--anchors DIR]
 
-RUN is RECIPE:VARIANT (bench of deepseek-llm-7b) or tt:RECIPE (anchors' torchtitan_peer.sh ds7b, compiled, float8).
-Variants (joined with +):
+RUN is RECIPE:VARIANT (bench of deepseek-llm-7b), parity-RECIPE:VARIANT (validate.py's 500-step fp8parity run;
+the gap is to the first parity run of the call, so put parity-off:main first), or tt:RECIPE (anchors'
+torchtitan_peer.sh ds7b, compiled, float8). Variants (joined with +):
   main   main's code.
   save   selective checkpointing also keeps the float8 GEMMs' outputs (aten._scaled_mm) and the abs-maxes the
          scales come from (aten.max), as it keeps the bf16 matmuls' (TorchTitan keeps max, not _scaled_mm).
+  epc    inductor's emulate_precision_casts on for the rowwise recipes, as TorchTitan sets it (pytorch#150859: under
+         compile + checkpointing the recomputed forward's casts can round differently from the forward's, so the
+         backward's rowwise scales and float8 values differ from those the forward used).
 
 Call 19 (2026-12-02) also ran a variant `noag`: with one data-parallel rank, no float8 all-gather (the weights cast
 inside the compiled blocks, not in FSDP2's eager pre-gather hook). It was 9% faster and is main's code since.
@@ -31,6 +35,11 @@ PATCHES = {
               "    torch.ops._c10d_functional.all_to_all_single.default,  # expert dispatch: never redo communication\n",
               "    torch.ops._c10d_functional.all_to_all_single.default,  # expert dispatch: never redo communication\n"
               "    torch.ops.aten._scaled_mm.default,\n    torch.ops.aten.max.default,\n")],
+    "epc": [("parallel/fp8.py",
+             "    convert_to_float8_training(model, config=_config(recipe, float8_all_gather), module_filter_fn=fp8_filter)\n",
+             "    convert_to_float8_training(model, config=_config(recipe, float8_all_gather), module_filter_fn=fp8_filter)\n"
+             "    if recipe != 'tensorwise':\n        import torch._inductor.config\n\n"
+             "        torch._inductor.config.emulate_precision_casts = True\n")],
 }
 
 
@@ -64,6 +73,12 @@ def main() -> None:
         if what == "tt":
             r = v.torchtitan(a.anchors, f"ds7b float8 {how}", "ds7b", "--model.converters", "quantize.linear.float8",
                              "--quantize.linear.float8.recipe_name", how)
+        elif what.startswith("parity-"):
+            v.ENV["PYTHONPATH"] = os.pathsep.join([variant_src(how), *base_path])
+            r = v.fp8parity_run(out, what.removeprefix("parity-"), f"{what}-{how}")
+            ref = next((x["tail_loss"] for x in rows if x["name"].startswith("parity-")), None)
+            if ref and r["tail_loss"]:
+                r["loss_gap"] = (r["tail_loss"] - ref) / ref
         else:
             v.ENV["PYTHONPATH"] = os.pathsep.join([variant_src(how), *base_path])
             r = v.bench_run(f"7b fp8 {what} [{how}]", v.N, ["--model", "deepseek-llm-7b", *v.SEVEN_BEST,
@@ -71,10 +86,10 @@ def main() -> None:
         r.pop("lines", None)
         rows.append(r)
         (out / "results.json").write_text(json.dumps(rows, indent=1))
-    print("| run | tokens/s/GPU | MFU | peak GiB | step s |")
+    print("| run | tokens/s/GPU | MFU | peak GiB | step s | tail loss | gap |")
     for r in rows:
         print(f"| {r['name']} | {r.get('tokens_per_s_per_gpu')} | {r.get('mfu')} | {r.get('mem_peak_gib')} | "
-              f"{r.get('step_time_s')} |")
+              f"{r.get('step_time_s')} | {r.get('tail_loss')} | {r.get('loss_gap')} |")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ Groups (each fits one 10-minute device call on 2x H200):
         bf16 vs each recipe: the curves (JSONL under --out) and the gap of the last 50 steps' mean loss
         (PARITY_RECIPES=off,tensorwise for fewer; bf16 first).
   tp2compile  the 7B width cut to 4 layers on all GPUs: FSDP2 vs tp=N, eager and compiled (issue #19's TP item).
+  moehost  issue #17's missed out-of-sample run (V2-Lite cut to 12 layers, mbs 1, compiled, no AC: 0.30-0.36 s
+        measured, 0.23 predicted, as with selective AC): none with a cold and then a warm compile cache, selective,
+        none with Python's GC off, none with a fresh cache again; per-step times and what the host was in while the
+        GPU idled (one profiled step each).
   fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise and tensorwise (the
         attention and shared-expert projections; the routed experts stay bf16).
 """
@@ -511,22 +515,60 @@ def group_tp2compile(out: Path) -> list[dict]:
     return runs
 
 
-def group_fp8parity(out: Path) -> list[dict]:
+def fp8parity_run(out: Path, recipe: str, name: str = "") -> dict:
+    """One 500-step parity run (the 7B width cut to 4 layers, seq 2048, from one seeded bf16 initialization on the
+    bundled corpus) and the mean loss of its last 50 steps."""
     init = folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True)
     common = ["--init-from", init, "--data", CORPUS, "--seq-len", "2048", "--global-batch-size", "2",
               "--micro-batch-size", "2", "--steps", "500", "--lr", "3e-4", "--warmup-steps", "20",
               "--activation-checkpointing", "selective", "--compile", "--seed", "0"]
-    runs = []
-    for recipe in os.environ.get("PARITY_RECIPES", "off,tensorwise,rowwise,rowwise-gw-hp").split(","):
-        r = train_run(out, f"fp8parity-{recipe}", 1, [*common, "--fp8", recipe], timeout=300)
-        tail = r["losses"][-50:]
-        r["tail_loss"] = sum(tail) / len(tail) if tail else None
-        r.pop("losses")
-        runs.append(r)
+    r = train_run(out, name or f"fp8parity-{recipe}", 1, [*common, "--fp8", recipe], timeout=300)
+    tail = r["losses"][-50:]
+    r["tail_loss"] = sum(tail) / len(tail) if tail else None
+    r.pop("losses")
+    return r
+
+
+def group_fp8parity(out: Path) -> list[dict]:
+    runs = [fp8parity_run(out, recipe)
+            for recipe in os.environ.get("PARITY_RECIPES", "off,tensorwise,rowwise,rowwise-gw-hp").split(",")]
     ref = runs[0]["tail_loss"]
     for r in runs[1:]:
         if ref and r["tail_loss"]:
             r["max_rel_loss_diff"] = (r["tail_loss"] - ref) / ref
+    return runs
+
+
+def group_moehost(out: Path) -> list[dict]:
+    v2 = folder("v2lite12", "deepseek-v2-lite", 12, weights=False)
+    nogc = MODELS / "nogc"  # a sitecustomize that turns Python's garbage collector off in every process
+    nogc.mkdir(parents=True, exist_ok=True)
+    (nogc / "sitecustomize.py").write_text("import gc\ngc.disable()\n")
+    runs = []
+    for name, ac, env in (("none cold cache", "none", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/moehost-cache-a"}),
+                          ("none warm cache", "none", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/moehost-cache-a"}),
+                          ("selective", "selective", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/moehost-cache-a"}),
+                          ("none gc off", "none", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/moehost-cache-a",
+                                                   "PYTHONPATH": f"{nogc}{os.pathsep}{ENV['PYTHONPATH']}"}),
+                          ("none fresh cache", "none", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/moehost-cache-b"})):
+        run_dir = out / f"moehost-{len(runs)}"
+        jsonl = out / f"moehost-{len(runs)}.jsonl"
+        saved = dict(ENV)
+        ENV.update(env)
+        rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model", v2,
+                       "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1", "--compile",
+                       "--activation-checkpointing", ac, "--data", "synthetic", "--steps", "12",
+                       "--profile-steps", "11:11", "--run-dir", str(run_dir), "--metrics-jsonl", str(jsonl)], 400)
+        ENV.clear()
+        ENV.update(saved)
+        steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
+        times = [round(r["step_time_s"], 3) for r in steps if "step_time_s" in r]
+        prof = [ln for ln in text.splitlines() if ln.startswith(("profile rank", "  top", "  while"))]
+        (run_dir / "profile" / "rank0.json").unlink(missing_ok=True)  # hundreds of MB; the summary stays
+        r = {"name": f"v2lite12 mbs1 {name}", "rc": rc, "step_times_s": times,
+             "step_time_s": sorted(times[2:10])[len(times[2:10]) // 2] if len(times) > 3 else None, "profile": prof}
+        print(f"    {r['name']}: {times}", *prof, sep="\n", flush=True)
+        runs.append(r)
     return runs
 
 
@@ -557,7 +599,7 @@ def main() -> None:
               "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
               "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests,
               "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
-              "tp2compile": group_tp2compile}.get(g)
+              "tp2compile": group_tp2compile, "moehost": group_moehost}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))

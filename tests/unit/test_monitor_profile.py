@@ -147,3 +147,20 @@ def test_real_cuda_profile(tmp_path):
         assert s["device"] == "cuda" and s["steps"] == 2
         assert s["compute_ms"] > 0 and s["comm_ms"] > 0 and s["overlap_ms"] > 0
         assert any("nccl" in t["name"].lower() for t in s["top"])
+
+
+def test_gpu_idle_names_what_the_host_was_in():
+    # kernels [0,10) and [30,40); the GPU idles [10,30). On the host: an op [5,25) that waits in
+    # cudaStreamSynchronize [8,20) inside it, then nothing [25,30): Python between ops.
+    events = [_x("ProfilerStep#2", 0, 40, "user_annotation"),
+              _x("triton_poi_fused", 0, 10, "kernel", 7), _x("triton_poi_fused", 30, 10, "kernel", 7),
+              _x("aten::item", 5, 20, "cpu_op"), _x("cudaStreamSynchronize", 8, 12, "cuda_runtime"),
+              _x("cudaLaunchKernel", 26, 2, "cuda_runtime")]
+    s = summarize_events(events)
+    assert s["idle_ms"] == pytest.approx(0.020)
+    idle = {t["name"]: t["total_ms"] for t in s["idle_host"]}
+    # sync [10,20) (its part after the kernel ended), item's own [20,25), launch [26,28), no op [25,26) U [28,30)
+    assert idle == pytest.approx({"cudaStreamSynchronize": 0.010, "aten::item": 0.005, "cudaLaunchKernel": 0.002,
+                                  "(no op: Python)": 0.003})
+    assert sum(idle.values()) == pytest.approx(s["idle_ms"])
+    assert "while the GPU idled the host was in: cudaStreamSynchronize 0.01 ms" in format_summary(0, s)

@@ -8,7 +8,8 @@ as interval unions over the trace's events (so nested or concurrent events are n
 are the device's kernels and copies (compute and NCCL kernels run on different streams, so they can overlap; idle is
 the GPU waiting: launch gaps, host stalls, the pipeline bubble). On CPU runs they are the CPU operators plus the
 collectives' record_functions (gloo's worker threads, FSDP's all-gathers); an operator that encloses a collective
-counts as communication for that span, since the thread waits there.
+counts as communication for that span, since the thread waits there. On GPUs the summary also says what the host
+was in while the GPU idled (each CPU event's own time inside the idle intervals): a host-bound step names its cause.
 
 Traces go to RUN_DIR/profile/rank{R}.json (chrome://tracing, Perfetto) with the summary next to it.
 """
@@ -32,6 +33,8 @@ Interval = tuple[float, float]  # (start, end), microseconds as in the trace
 COMM = re.compile(r"nccl|gloo|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|c10d|record_param_comms",
                   re.IGNORECASE)
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+# What the host thread was in: operators, CUDA runtime calls (launches, syncs, mallocs), record_functions.
+HOST_CATS = {"cpu_op", "cuda_runtime", "cuda_driver", "user_annotation"}
 STEP_MARK = "ProfilerStep#"
 TOP = 10
 
@@ -102,9 +105,9 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 
 # -- trace summary ------------------------------------------------------------------------------------------------
 
-def _self_times(events: list[dict[str, Any]]) -> dict[int, float]:
-    """Self time of each CPU event (its duration minus its direct children's), by nesting within a thread."""
-    self_us = {id(e): float(e["dur"]) for e in events}
+def _self_intervals(events: list[dict[str, Any]]) -> dict[int, list[Interval]]:
+    """Where each CPU event runs itself: its span minus its direct children's, by nesting within a thread."""
+    children: dict[int, list[Interval]] = defaultdict(list)
     by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"))].append(e)
@@ -114,9 +117,28 @@ def _self_times(events: list[dict[str, Any]]) -> dict[int, float]:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
                 stack.pop()
             if stack:
-                self_us[id(stack[-1])] -= e["dur"]
+                children[id(stack[-1])].append((e["ts"], e["ts"] + e["dur"]))
             stack.append(e)
-    return self_us
+    return {id(e): subtract([(e["ts"], e["ts"] + e["dur"])], children[id(e)]) for e in events}
+
+
+def _host_during_idle(host: list[dict[str, Any]], idle: list[Interval]) -> list[dict[str, Any]]:
+    """What the host was doing while the GPU idled: each CPU event's own time inside the idle intervals, summed by
+    name (the innermost event gets it, so an op that waits in cudaStreamSynchronize shows as the sync), plus the idle
+    time no event covers ("(no op: Python)")."""
+    own = _self_intervals(host)
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in host:
+        t = length(intersect(own[id(e)], idle))
+        if t > 0:
+            total[e["name"]] += t
+            count[e["name"]] += 1
+    uncovered = length(subtract(idle, [(e["ts"], e["ts"] + e["dur"]) for e in host]))
+    if uncovered > 0:
+        total["(no op: Python)"], count["(no op: Python)"] = uncovered, 0
+    names = sorted(total, key=total.__getitem__, reverse=True)[:TOP]
+    return [{"name": n, "total_ms": total[n] / 1e3, "count": count[n]} for n in names]
 
 
 def _top(events: list[dict[str, Any]], weights: dict[int, float] | None = None) -> list[dict[str, Any]]:
@@ -157,18 +179,22 @@ def summarize_events(trace_events: list[dict[str, Any]]) -> dict[str, Any]:
             comm += c
             compute += subtract(((e["ts"], e["ts"] + e["dur"]) for e in evs if not COMM.search(e["name"])), c)
         comm, compute = union(comm), union(compute)
-        top = _top(ops, _self_times(ops))
+        top = _top(ops, {k: length(v) for k, v in _self_intervals(ops).items()})
         busy_events = ops + waits
     window = [(min(s for s, _ in marks), max(e for _, e in marks))] if marks else (
         [(min(e["ts"] for e in busy_events), max(e["ts"] + e["dur"] for e in busy_events))] if busy_events else [])
     compute, comm = intersect(compute, window), intersect(comm, window)
     span = length(window)
     busy = length(compute + comm)
-    return {
+    out = {
         "device": "cuda" if device else "cpu", "steps": len(marks), "span_ms": span / 1e3,
         "compute_ms": length(compute) / 1e3, "comm_ms": length(comm) / 1e3,
         "overlap_ms": length(intersect(compute, comm)) / 1e3, "idle_ms": max(0.0, span - busy) / 1e3, "top": top,
     }
+    if device:  # a GPU that waits is waiting for the host: say on what
+        host = [e for e in spans if e.get("cat") in HOST_CATS and not e["name"].startswith(STEP_MARK)]
+        out["idle_host"] = _host_during_idle(host, subtract(window, compute + comm))
+    return out
 
 
 def summarize_trace(path: str | Path) -> dict[str, Any]:
@@ -189,6 +215,9 @@ def format_summary(rank: int, s: dict[str, Any]) -> str:
     what = "kernels" if s["device"] == "cuda" else "ops (self time)"
     top = "; ".join(f"{t['name']} {t['total_ms']:,.2f} ms x{t['count']}" for t in s["top"][:5])
     lines.append(f"  top {what}: {top}")
+    if s.get("idle_host"):
+        host = "; ".join(f"{t['name']} {t['total_ms']:,.2f} ms" for t in s["idle_host"][:5])
+        lines.append(f"  while the GPU idled the host was in: {host}")
     return "\n".join(lines)
 
 
