@@ -10,6 +10,17 @@ from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, 
 pytestmark = pytest.mark.dist
 
 
+def assert_same_fp8_losses(got: dict[int, float], ref: dict[int, float]) -> None:
+    """A plan's fp8 losses against one process's. Step 1 runs the same weights with the same scales on the same
+    micro-batches: equal but for the order the loss is summed in (fp32, a few ulps). After an update the grads were
+    summed in another order (fp32 noise), and a weight that sits within that noise of an e4m3 rounding boundary rounds
+    the other way, a 6% change of that element, which the next steps amplify: measured on the tiny model up to 3.3e-4
+    at step 3 (HSDP 2x2) and 4.6e-4 at step 4 (FSDP2 on 2 ranks, 6 data seeds), and varying with the CPU's kernels.
+    A plan that cast other weights, other scales or skipped the casts moves step 1 by 2e-5 or more."""
+    assert_same_losses({1: got[1]}, {1: ref[1]}, rtol=1e-6)
+    assert_same_losses(got, ref, rtol=2e-3)
+
+
 def test_recipes_track_fp32_and_fsdp2_matches_one_process(tmp_path, monkeypatch):
     monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")  # run_train's processes inherit it
     init = seed_checkpoint("tiny-dense", tmp_path / "init")
@@ -28,7 +39,7 @@ def test_recipes_track_fp32_and_fsdp2_matches_one_process(tmp_path, monkeypatch)
     # The same micro-batches (4 sequences) on each rank as in the one-process accumulation: the same activation
     # scales, and FSDP2's float8 all-gather the same weight scales (amax over the shards); only reductions reorder.
     fsdp = losses("fsdp2", "--nproc", "2", "--dp-shard", "2", "--fp8", "tensorwise")
-    assert_same_losses(fsdp, runs["tensorwise"], rtol=1e-3)
+    assert_same_fp8_losses(fsdp, runs["tensorwise"])
 
 
 def test_tensorwise_under_hsdp_and_pp_matches_one_process(tmp_path, monkeypatch):
@@ -42,6 +53,6 @@ def test_tensorwise_under_hsdp_and_pp_matches_one_process(tmp_path, monkeypatch)
 
     ref = losses("one", "--nproc", "1")
     # HSDP: the float8 all-gather inside each replica, the fp32 grads all-reduced across
-    assert_same_losses(losses("hsdp", "--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2"), ref, rtol=1e-4)
+    assert_same_fp8_losses(losses("hsdp", "--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2"), ref)
     # 2 stages, each sharded over 2 ranks: every stage converted, its float8 all-gather's scales precomputed
-    assert_same_losses(losses("pp2", "--nproc", "4", "--pp", "2", "--dp-shard", "2"), ref, rtol=1e-4)
+    assert_same_fp8_losses(losses("pp2", "--nproc", "4", "--pp", "2", "--dp-shard", "2"), ref)
