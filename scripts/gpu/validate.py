@@ -37,6 +37,8 @@ Groups (each fits one 10-minute device call on 2x H200):
         measured, 0.23 predicted, as with selective AC): none with a cold and then a warm compile cache, selective,
         none with Python's GC off; per-step times, graph breaks and recompiles, and what the host was in while the
         GPU idled (one profiled step each).
+  coldwarm  the fifth out-of-sample set's missed run (V2-Lite cut to 8 layers, mbs 1, compiled, no AC) three times:
+        a fresh compile cache, the same cache again, and a fresh cache compiled in-process (no compile workers).
   fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise and tensorwise (the
         attention and shared-expert projections; the routed experts stay bf16).
 """
@@ -572,6 +574,24 @@ def group_moehost(out: Path) -> list[dict]:
     return runs
 
 
+def group_coldwarm(out: Path) -> list[dict]:
+    v2 = folder("v2lite8", "deepseek-v2-lite", 8, weights=False)
+    argv = ["--model", v2, "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--activation-checkpointing", "none", "--compile"]
+    runs = []
+    for name, env in (("cold cache", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/coldwarm-a"}),
+                      ("warm cache", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/coldwarm-a"}),
+                      ("cold cache, compiled in-process", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/coldwarm-b",
+                                                           "TORCHINDUCTOR_COMPILE_THREADS": "1"})):
+        saved = dict(ENV)
+        ENV.update(env)
+        runs.append(bench_run(f"v2lite8 mbs1 none+compile, {name}", 1, argv, timeout=110))
+        ENV.clear()
+        ENV.update(saved)
+        print(f"      step {runs[-1].get('step_time_s')} s", flush=True)
+    return runs
+
+
 def group_fp8moe(out: Path) -> list[dict]:
     v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
     return [bench_run(f"v2lite-6l no-AC+compile mbs2, fp8 {recipe}", N,
@@ -599,7 +619,7 @@ def main() -> None:
               "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
               "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests,
               "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
-              "tp2compile": group_tp2compile, "moehost": group_moehost}.get(g)
+              "tp2compile": group_tp2compile, "moehost": group_moehost, "coldwarm": group_coldwarm}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
