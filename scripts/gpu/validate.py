@@ -46,6 +46,7 @@ Groups (each fits one 10-minute device call on 2x H200):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -64,6 +65,18 @@ ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
 CORPUS = str(ROOT / "src" / "paraseek" / "assets" / "corpus")
 N = torch.cuda.device_count()
+
+
+@contextlib.contextmanager
+def extra_env(env: dict[str, str]):
+    """ENV with `env` added for the runs inside the block (a compile cache of their own, a sitecustomize)."""
+    saved = dict(ENV)
+    ENV.update(env)
+    try:
+        yield
+    finally:
+        ENV.clear()
+        ENV.update(saved)
 
 
 def sh(argv: list[str], timeout: int) -> tuple[int, str]:
@@ -553,14 +566,11 @@ def group_moehost(out: Path) -> list[dict]:
                           ("none gc off", "none", {**cache, "PYTHONPATH": f"{nogc}{os.pathsep}{ENV['PYTHONPATH']}"})):
         run_dir = out / f"moehost-{len(runs)}"
         jsonl = out / f"moehost-{len(runs)}.jsonl"
-        saved = dict(ENV)
-        ENV.update(env)
-        rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model", v2,
-                       "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1", "--compile",
-                       "--activation-checkpointing", ac, "--data", "synthetic", "--steps", "10",
-                       "--profile-steps", "9:9", "--run-dir", str(run_dir), "--metrics-jsonl", str(jsonl)], 200)
-        ENV.clear()
-        ENV.update(saved)
+        with extra_env(env):
+            rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model", v2,
+                           "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1", "--compile",
+                           "--activation-checkpointing", ac, "--data", "synthetic", "--steps", "10",
+                           "--profile-steps", "9:9", "--run-dir", str(run_dir), "--metrics-jsonl", str(jsonl)], 200)
         steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
         times = [round(r["step_time_s"], 3) for r in steps if "step_time_s" in r]
         prof = [ln for ln in text.splitlines() if ln.startswith(("profile rank", "  top", "  while"))]
@@ -583,11 +593,8 @@ def group_coldwarm(out: Path) -> list[dict]:
                       ("warm cache", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/coldwarm-a"}),
                       ("cold cache, compiled in-process", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/coldwarm-b",
                                                            "TORCHINDUCTOR_COMPILE_THREADS": "1"})):
-        saved = dict(ENV)
-        ENV.update(env)
-        runs.append(bench_run(f"v2lite8 mbs1 none+compile, {name}", 1, argv, timeout=110))
-        ENV.clear()
-        ENV.update(saved)
+        with extra_env(env):
+            runs.append(bench_run(f"v2lite8 mbs1 none+compile, {name}", 1, argv, timeout=110))
         print(f"      step {runs[-1].get('step_time_s')} s", flush=True)
     return runs
 
