@@ -599,6 +599,42 @@ def group_coldwarm(out: Path) -> list[dict]:
     return runs
 
 
+def group_gccause(out: Path) -> list[dict]:
+    """Issue #17's MoE misses: is the fresh-compile slowdown Python's garbage collector walking what the compile left
+    on the heap? V2-Lite-8 (and -12) at mbs 1 without AC, 10 steps each, per-step GC seconds from the metrics: the
+    engine's gc.freeze after step 1, the same with freeze made a no-op, the collector off, and a warm cache."""
+    hooks = MODELS / "gchooks"
+    for name, code in (("nofreeze", "import gc\ngc.freeze = lambda: None\n"), ("gcoff", "import gc\ngc.disable()\n")):
+        (hooks / name).mkdir(parents=True, exist_ok=True)
+        (hooks / name / "sitecustomize.py").write_text(code)
+    path = lambda name: {"PYTHONPATH": f"{hooks / name}{os.pathsep}{ENV['PYTHONPATH']}"}
+    runs = []
+    for name, layers, env in (("cold cache, freeze", 8, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-a"}),
+                              ("cold cache, no freeze", 8, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-b", **path("nofreeze")}),
+                              ("cold cache, gc off", 8, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-c", **path("gcoff")}),
+                              ("warm cache, no freeze", 8, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-a", **path("nofreeze")}),
+                              ("cold cache, freeze", 12, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-d"}),
+                              ("cold cache, no freeze", 12, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-e", **path("nofreeze")})):
+        model = folder(f"v2lite{layers}", "deepseek-v2-lite", layers, weights=False)
+        jsonl = out / f"gccause-{len(runs)}.jsonl"
+        with extra_env(env):
+            rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model",
+                           model, "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1",
+                           "--compile", "--activation-checkpointing", "none", "--data", "synthetic", "--steps", "10",
+                           "--metrics-jsonl", str(jsonl)], 150)
+        steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
+        steps = [s for s in steps if "step_time_s" in s]
+        times = [round(s["step_time_s"], 3) for s in steps]
+        gc_ms = [round(s.get("gc_s", 0) * 1e3, 1) for s in steps]
+        r = {"name": f"v2lite{layers} mbs1 none {name}", "rc": rc, "step_times_s": times, "gc_ms": gc_ms,
+             "step_time_s": sorted(times[2:])[len(times[2:]) // 2] if len(times) > 3 else None}
+        if rc:
+            r["tail"] = text[-1500:]
+        print(f"    {r['name']}: rc {rc} step {r['step_time_s']} s {times}, gc ms {gc_ms}", flush=True)
+        runs.append(r)
+    return runs
+
+
 def group_fp8moe(out: Path) -> list[dict]:
     v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
     return [bench_run(f"v2lite-6l no-AC+compile mbs2, fp8 {recipe}", N,
@@ -626,7 +662,8 @@ def main() -> None:
               "loss_chunks": group_loss_chunks, "attn": group_attn, "holdout2": group_holdout2, "weak": group_weak,
               "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests,
               "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
-              "tp2compile": group_tp2compile, "moehost": group_moehost, "coldwarm": group_coldwarm}.get(g)
+              "tp2compile": group_tp2compile, "moehost": group_moehost, "coldwarm": group_coldwarm,
+              "gccause": group_gccause}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -11,6 +12,28 @@ from typing import Any
 # Metrics that go to TensorBoard as scalars (the JSONL gets everything).
 _TB_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s",
             "expert_load_max_over_mean", "loss_scale")
+
+
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran since the last `take` (gc.callbacks). A collection stops the
+    host; in a host-bound step the GPU waits it out, so each step's metrics carry it (`gc_s`)."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on)
 
 
 class MetricsLogger:

@@ -15,6 +15,7 @@ some are not (chat roles, padding, documents' first tokens) the ranks sum their 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -38,7 +39,7 @@ from paraseek.models.loss import IGNORE_INDEX
 from paraseek.monitor.faults import FaultInjector
 from paraseek.monitor.health import (HealthMonitor, StragglerDetector, anomaly_action, format_event, gather_floats,
                                      gather_hosts, log_event, nonfinite_report, own_step_times, step_time_stats)
-from paraseek.monitor.metrics import MetricsLogger
+from paraseek.monitor.metrics import GcClock, MetricsLogger
 from paraseek.monitor.oom import cheapest_fix, write_snapshot
 from paraseek.monitor.profile import StepProfiler, report_all_ranks
 from paraseek.monitor.progress import (PEER_LOST, REPORTED, ProgressRecorder, is_peer_lost, report_failure,
@@ -173,6 +174,7 @@ def _train(cfg: TrainConfig, device: torch.device, recorder: ProgressRecorder) -
                   flush=True)
         dist.barrier()
     run.logger.close()
+    run.gc_clock.close()
     recorder.mark(cfg.steps, "done")
     run.print_summary(time.perf_counter() - t_run)
     return 0
@@ -200,6 +202,7 @@ class Run:
         self.logger = MetricsLogger(enabled=self.is_main, total_steps=cfg.steps, jsonl=cfg.metrics_jsonl,
                                     tensorboard=cfg.tensorboard, log_every=cfg.log_every,
                                     unit="gpu" if device.type == "cuda" else "rank")
+        self.gc_clock = GcClock()
         self.flops_per_token = flops_per_token(m.args, cfg.seq_len)
         self.peak = peak_flops(torch.cuda.get_device_name(device), cfg.precision) if device.type == "cuda" else None
         self.start_step, self.profiler = 0, None
@@ -245,6 +248,13 @@ class Run:
                 self.logger.event("model_state", step, detail="bytes per rank", **layout)
         optimizer.zero_grad(set_to_none=True)
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
+        if step == self.start_step + 1:
+            # What building and compiling left on the heap (FX graphs, guards, inductor's sympy caches) moves where
+            # the cyclic collector no longer walks it (gc.freeze); otherwise every full collection in a later step
+            # scans all of it while the GPU waits.
+            gc.collect()
+            gc.freeze()
+            self.gc_clock.take()  # that collection ran between steps, not in one
         if self.eval_loader is not None and not self.stop_signal and (
                 (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
             self.evaluate(step)
@@ -289,6 +299,7 @@ class Run:
                               checkpoint=checkpoint)
             print(message, file=sys.stderr, flush=True)
         self.logger.close()
+        self.gc_clock.close()
         return 128 + self.stop_signal
 
     def evaluate(self, step: int) -> None:
@@ -355,6 +366,7 @@ class Run:
             "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / self.world,
             "mfu": self.flops_per_token * tps / self.world / self.peak if self.peak else None,
             "mem_peak_gib": _peak_memory_gib(self.device), "step_time_s": dt, **step_time_stats(rank_times),
+            "gc_s": self.gc_clock.take(),
             **_memory_metrics(self.device),
         }
         if self.scaler:
