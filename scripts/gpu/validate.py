@@ -635,6 +635,74 @@ def group_gccause(out: Path) -> list[dict]:
     return runs
 
 
+SAMPLER = """
+import collections, os, sys, threading, time
+def _sample():
+    jsonl, report = os.environ["SAMPLE_JSONL"], os.environ["SAMPLE_REPORT"]
+    lines = lambda: sum(1 for _ in open(jsonl)) if os.path.exists(jsonl) else 0
+    while lines() < 4:  # from step 4 on: compile and warm-up are over
+        time.sleep(0.2)
+    if "paraseek.train.loop" not in sys.modules:  # a compile worker, the launcher: not the training process
+        return
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    where, inner, n = collections.Counter(), collections.Counter(), 0
+    t_end = time.time() + 2.0
+    while time.time() < t_end:  # every Python thread's innermost frames (the autograd engine's too), every 5 ms
+        for tid, frame in sys._current_frames().items():
+            if tid == me:
+                continue
+            stack = []
+            while frame is not None and len(stack) < 4:
+                stack.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            who = names.get(tid, f"thread {tid}")
+            where[who + ": " + " < ".join(stack)] += 1
+            inner[who + ": " + stack[0].split(":", 1)[0] + ":" + stack[0].rsplit(":", 1)[1]] += 1
+        n += 1
+        time.sleep(0.005)
+    with open(report, "w") as f:
+        f.write(f"{n} samples; threads: {sorted(set(names.values()))}\\n")
+        for fn, c in inner.most_common(20):
+            f.write(f"{c / n:6.1%} {fn}\\n")
+        for stack, c in where.most_common(30):
+            f.write(f"{c / n:6.1%} {stack}\\n")
+threading.Thread(target=_sample, daemon=True, name="paraseek-sampler").start()
+"""
+
+
+def group_hostsample(out: Path) -> list[dict]:
+    """Issue #17's fresh-compile slowdown, where the host is: every Python thread's stack in the training process
+    sampled every 5 ms for 2 s from step 4 on (a sitecustomize thread), V2-Lite cut to SAMPLE_LAYERS (8) at mbs 1
+    without AC: cold cache, warm cache, cold cache compiled in-process (the first SAMPLE_VARIANTS of them)."""
+    hook = MODELS / "sampler"
+    hook.mkdir(parents=True, exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SAMPLER)
+    layers = int(os.environ.get("SAMPLE_LAYERS", "8"))
+    model = folder(f"v2lite{layers}", "deepseek-v2-lite", layers, weights=False)
+    runs = []
+    variants = (("cold cache", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-a"}),
+                ("warm cache", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-a"}),
+                ("cold cache, in-process compile", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-b",
+                                                    "TORCHINDUCTOR_COMPILE_THREADS": "1"}))
+    for name, env in variants[:int(os.environ.get("SAMPLE_VARIANTS", "3"))]:
+        jsonl, report = out / f"hostsample-{len(runs)}.jsonl", out / f"hostsample-{len(runs)}.txt"
+        with extra_env({**env, "PYTHONPATH": f"{hook}{os.pathsep}{ENV['PYTHONPATH']}", "SAMPLE_JSONL": str(jsonl),
+                        "SAMPLE_REPORT": str(report)}):
+            rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model",
+                           model, "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1",
+                           "--compile", "--activation-checkpointing", "none", "--data", "synthetic", "--steps", "16",
+                           "--metrics-jsonl", str(jsonl)], 150)
+        steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
+        times = [round(s["step_time_s"], 3) for s in steps if "step_time_s" in s]
+        r = {"name": f"v2lite{layers} mbs1 none {name}", "rc": rc, "step_times_s": times,
+             "step_time_s": sorted(times[2:])[len(times[2:]) // 2] if len(times) > 3 else None,
+             "samples": report.read_text() if report.exists() else None}
+        print(f"    {r['name']}: rc {rc} step {r['step_time_s']} s {times}", r["samples"], sep="\n", flush=True)
+        runs.append(r)
+    return runs
+
+
 def group_fp8moe(out: Path) -> list[dict]:
     v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
     return [bench_run(f"v2lite-6l no-AC+compile mbs2, fp8 {recipe}", N,
@@ -663,7 +731,7 @@ def main() -> None:
               "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests,
               "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
               "tp2compile": group_tp2compile, "moehost": group_moehost, "coldwarm": group_coldwarm,
-              "gccause": group_gccause}.get(g)
+              "gccause": group_gccause, "hostsample": group_hostsample}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
