@@ -671,34 +671,58 @@ threading.Thread(target=_sample, daemon=True, name="paraseek-sampler").start()
 """
 
 
-def group_hostsample(out: Path) -> list[dict]:
-    """Issue #17's fresh-compile slowdown, where the host is: every Python thread's stack in the training process
-    sampled every 5 ms for 2 s from step 4 on (a sitecustomize thread), V2-Lite cut to SAMPLE_LAYERS (8) at mbs 1
-    without AC: cold cache, warm cache, cold cache compiled in-process (the first SAMPLE_VARIANTS of them)."""
+def sampled_run(out: Path, name: str, layers: int, env: dict[str, str]) -> dict:
+    """V2-Lite cut to `layers` at mbs 1 without AC, 16 compiled steps, with every Python thread of the training
+    process sampled every 5 ms for 2 s from step 4 on (SAMPLER, a sitecustomize thread)."""
     hook = MODELS / "sampler"
     hook.mkdir(parents=True, exist_ok=True)
     (hook / "sitecustomize.py").write_text(SAMPLER)
-    layers = int(os.environ.get("SAMPLE_LAYERS", "8"))
     model = folder(f"v2lite{layers}", "deepseek-v2-lite", layers, weights=False)
+    jsonl, report = out / f"{name}.jsonl", out / f"{name}.txt"
+    with extra_env({**env, "PYTHONPATH": f"{hook}{os.pathsep}{ENV['PYTHONPATH']}", "SAMPLE_JSONL": str(jsonl),
+                    "SAMPLE_REPORT": str(report)}):
+        rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model",
+                       model, "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1",
+                       "--compile", "--activation-checkpointing", "none", "--data", "synthetic", "--steps", "16",
+                       "--metrics-jsonl", str(jsonl)], 150)
+    steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    times = [round(s["step_time_s"], 3) for s in steps if "step_time_s" in s]
+    samples = report.read_text() if report.exists() else ""
+    r = {"name": f"v2lite{layers} mbs1 none {name} {env}", "rc": rc, "step_times_s": times,
+         "step_time_s": sorted(times[2:])[len(times[2:]) // 2] if len(times) > 3 else None, "samples": samples}
+    return r
+
+
+def group_hostsample(out: Path) -> list[dict]:
+    """Issue #17's fresh-compile slowdown, where the host is: V2-Lite cut to SAMPLE_LAYERS (8), cold cache, warm
+    cache, cold cache compiled in-process (the first SAMPLE_VARIANTS of them), each sampled (sampled_run)."""
+    layers = int(os.environ.get("SAMPLE_LAYERS", "8"))
+    variants = (("cold", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-a"}),
+                ("warm", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-a"}),
+                ("cold-inprocess", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-b", "TORCHINDUCTOR_COMPILE_THREADS": "1"}))
     runs = []
-    variants = (("cold cache", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-a"}),
-                ("warm cache", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-a"}),
-                ("cold cache, in-process compile", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-b",
-                                                    "TORCHINDUCTOR_COMPILE_THREADS": "1"}))
     for name, env in variants[:int(os.environ.get("SAMPLE_VARIANTS", "3"))]:
-        jsonl, report = out / f"hostsample-{len(runs)}.jsonl", out / f"hostsample-{len(runs)}.txt"
-        with extra_env({**env, "PYTHONPATH": f"{hook}{os.pathsep}{ENV['PYTHONPATH']}", "SAMPLE_JSONL": str(jsonl),
-                        "SAMPLE_REPORT": str(report)}):
-            rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model",
-                           model, "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1",
-                           "--compile", "--activation-checkpointing", "none", "--data", "synthetic", "--steps", "16",
-                           "--metrics-jsonl", str(jsonl)], 150)
-        steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
-        times = [round(s["step_time_s"], 3) for s in steps if "step_time_s" in s]
-        r = {"name": f"v2lite{layers} mbs1 none {name}", "rc": rc, "step_times_s": times,
-             "step_time_s": sorted(times[2:])[len(times[2:]) // 2] if len(times) > 3 else None,
-             "samples": report.read_text() if report.exists() else None}
-        print(f"    {r['name']}: rc {rc} step {r['step_time_s']} s {times}", r["samples"], sep="\n", flush=True)
+        runs.append(sampled_run(out, f"hostsample-{name}", layers, env))
+        print(f"    {runs[-1]['name']}: rc {runs[-1]['rc']} step {runs[-1]['step_time_s']} s {runs[-1]['step_times_s']}",
+              runs[-1]["samples"], sep="\n", flush=True)
+    return runs
+
+
+def group_mallocvar(out: Path) -> list[dict]:
+    """Calls 27-28 found the fresh compile's extra host time in FSDP2's reduce-scatter copy-in (aten::_chunk_cat on the
+    autograd thread: 53% of samples cold, 22% warm), whose host part builds and pins metadata of one int64 per 2 KiB
+    of gradient. Is it glibc's malloc (arenas, trimming, mmap of the large vectors) in a heap the compile churned?
+    V2-Lite-12, each with its own cold cache."""
+    variants = (("cold", {}),
+                ("cold-mmap32m-notrim", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:"
+                                                           "glibc.malloc.trim_threshold=4294967296"}),
+                ("cold-arena1", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}),
+                ("cold-mmap128k", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}))
+    runs = []
+    for name, env in variants:
+        r = sampled_run(out, f"malloc-{name}", 12, {"TORCHINDUCTOR_CACHE_DIR": f"/tmp/mv-{name}", **env})
+        share = [ln.strip() for ln in r["samples"].splitlines() if "chunk_cat" in ln][:1]
+        print(f"    {r['name']}: rc {r['rc']} step {r['step_time_s']} s {r['step_times_s']} {share}", flush=True)
         runs.append(r)
     return runs
 
@@ -731,7 +755,8 @@ def main() -> None:
               "v2lite_push": group_v2lite_push, "fp8smoke": group_fp8smoke, "fp8tests": group_fp8tests,
               "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
               "tp2compile": group_tp2compile, "moehost": group_moehost, "coldwarm": group_coldwarm,
-              "gccause": group_gccause, "hostsample": group_hostsample}.get(g)
+              "gccause": group_gccause, "hostsample": group_hostsample,
+              "mallocvar": group_mallocvar}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
