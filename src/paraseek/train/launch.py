@@ -27,6 +27,9 @@ from paraseek.train.stop import ARGV_ENV
 from paraseek.train.worker import CONFIG_ENV
 
 
+GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
     cfg = from_namespace(ns)  # a mistake in a flag or the TOML file costs no torch import (4 s on a small machine)
     if ns.slurm:
@@ -231,6 +234,11 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.device == "cuda":
         # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # FSDP2's reduce-scatter copy-in (aten::_chunk_cat) builds host metadata of one int64 per 2 KiB of gradient,
+        # megabytes per block per step. After a fresh torch.compile, glibc served those from new mmaps (page faults
+        # on every call): V2-Lite-12 at mbs 1 ran 0.31-0.43 s a step instead of 0.23 (BENCHMARKS.md, calls 26-29).
+        # Kept on the heap below 32 MiB and not trimmed back, it runs at 0.23 from a fresh compile too.
+        os.environ.setdefault("GLIBC_TUNABLES", GLIBC_TUNABLES)
     passer = _PassOn(bool(cfg.checkpoint_dir))
     previous = {signum: signal.signal(signum, passer) for signum in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
