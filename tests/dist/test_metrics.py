@@ -6,7 +6,8 @@ import pytest
 from dist_helpers import EXACT, run_train
 
 pytestmark = pytest.mark.dist
-SCHEMA = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s"}
+SCHEMA = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s",
+          "gc_s"}
 
 
 def test_jsonl_and_tensorboard(tmp_path):
@@ -21,6 +22,7 @@ def test_jsonl_and_tensorboard(tmp_path):
         assert row["tokens_per_s"] == pytest.approx(8 * 32 / row["step_time_s"])
         assert row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s"] / 2)
         assert row["mfu"] is None  # no datasheet peak for a CPU
+        assert 0 <= row["gc_s"] < row["step_time_s"] + 5  # collector seconds since the last step (step 1: startup too)
     assert "step     3/3" in r.stdout and "done: 3 steps" in r.stdout
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -30,6 +30,24 @@ from paraseek.train.worker import CONFIG_ENV
 GLIBC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 
+def worker_env(cfg: TrainConfig) -> dict[str, str]:
+    """What the launcher adds to its workers' environment where the user has not set it."""
+    from paraseek.monitor.progress import flight_recorder_env
+
+    # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.nproc))}
+    env.update(flight_recorder_env(cfg.run_dir))  # Flight Recorder on, dumps into RUN_DIR
+    if cfg.device == "cuda":
+        # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        # FSDP2's reduce-scatter copy-in (aten::_chunk_cat) builds host metadata of one int64 per 2 KiB of gradient,
+        # megabytes per block per step. After a fresh torch.compile, glibc served those from new mmaps (page faults
+        # on every call): V2-Lite-12 at mbs 1 ran 0.31-0.43 s a step instead of 0.23 (BENCHMARKS.md, calls 26-29).
+        # Kept on the heap below 32 MiB and not trimmed back, it runs at 0.23 from a fresh compile too.
+        env["GLIBC_TUNABLES"] = GLIBC_TUNABLES
+    return env
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
     cfg = from_namespace(ns)  # a mistake in a flag or the TOML file costs no torch import (4 s on a small machine)
     if ns.slurm:
@@ -225,20 +243,8 @@ def launch(cfg: TrainConfig) -> int:
                  f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-conf=join_timeout={math.ceil(cfg.rdzv_timeout)}"]
     argv += ["--signals-to-handle=SIGHUP,SIGQUIT", "-m", "paraseek.train.worker"]  # SIGINT, SIGTERM: _PassOn
     os.environ[CONFIG_ENV] = json.dumps(dataclasses.asdict(cfg))
-    # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
-    from paraseek.monitor.progress import flight_recorder_env
-
-    for key, value in flight_recorder_env(cfg.run_dir).items():  # Flight Recorder on, dumps into RUN_DIR
-        os.environ.setdefault(key, value)
-    if cfg.device == "cuda":
-        # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        # FSDP2's reduce-scatter copy-in (aten::_chunk_cat) builds host metadata of one int64 per 2 KiB of gradient,
-        # megabytes per block per step. After a fresh torch.compile, glibc served those from new mmaps (page faults
-        # on every call): V2-Lite-12 at mbs 1 ran 0.31-0.43 s a step instead of 0.23 (BENCHMARKS.md, calls 26-29).
-        # Kept on the heap below 32 MiB and not trimmed back, it runs at 0.23 from a fresh compile too.
-        os.environ.setdefault("GLIBC_TUNABLES", GLIBC_TUNABLES)
+    for key, value in worker_env(cfg).items():
+        os.environ.setdefault(key, value)  # the user's own settings win
     passer = _PassOn(bool(cfg.checkpoint_dir))
     previous = {signum: signal.signal(signum, passer) for signum in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()

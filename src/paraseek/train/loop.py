@@ -249,9 +249,10 @@ class Run:
         optimizer.zero_grad(set_to_none=True)
         self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
         if step == self.start_step + 1:
-            # What building and compiling left on the heap (FX graphs, guards, inductor's sympy caches) moves where
-            # the cyclic collector no longer walks it (gc.freeze); otherwise every full collection in a later step
-            # scans all of it while the GPU waits.
+            # The garbage that building and compiling left is collected once, between steps, and what survives
+            # (FX graphs, guards, inductor's caches) is frozen out of later collections. Measured on one H200 from a
+            # fresh compile (call 26): V2-Lite-8 0.174 s a step vs 0.196 without, V2-Lite-12 0.359 vs 0.416; the
+            # collector itself ran under 1.5 ms a step either way (gc_s), so the gain is not its walk.
             gc.collect()
             gc.freeze()
             self.gc_clock.take()  # that collection ran between steps, not in one
