@@ -39,6 +39,10 @@ Groups (each fits one 10-minute device call on 2x H200):
         GPU idled (one profiled step each).
   coldwarm  the fifth out-of-sample set's missed run (V2-Lite cut to 8 layers, mbs 1, compiled, no AC) three times:
         a fresh compile cache, the same cache again, and a fresh cache compiled in-process (no compile workers).
+  gccause, hostsample, mallocvar  issue #17's fresh-compile slowdown (calls 26-29): the same V2-Lite runs with the
+        garbage collector's time per step and gc.freeze on and off; with every Python thread of the training process
+        sampled; under glibc malloc tunables. They ran before the launcher set GLIBC_TUNABLES: put
+        GLIBC_TUNABLES= (empty, glibc's defaults) in a variant's env to see the slowdown again.
   fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise and tensorwise (the
         attention and shared-expert projections; the routed experts stay bf16).
 """
@@ -554,8 +558,24 @@ def group_fp8parity(out: Path) -> list[dict]:
     return runs
 
 
+def v2lite_mbs1(out: Path, name: str, layers: int, env: dict[str, str], steps: int, ac: str = "none",
+                extra: tuple[str, ...] = (), timeout: int = 150) -> tuple[int, str, list[dict], float | None]:
+    """`paraseek train` of V2-Lite cut to `layers`, seq 4096, micro-batch 1, compiled, synthetic data, with `env`
+    added: exit code, output, the JSONL's step rows and the median step time from step 3 on."""
+    model = folder(f"v2lite{layers}", "deepseek-v2-lite", layers, weights=False)
+    jsonl = out / f"{name}.jsonl"
+    with extra_env(env):
+        rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model", model,
+                       "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1", "--compile",
+                       "--activation-checkpointing", ac, "--data", "synthetic", "--steps", str(steps),
+                       "--metrics-jsonl", str(jsonl), *extra], timeout)
+    rows = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    rows = [r for r in rows if "step_time_s" in r]
+    times = sorted(r["step_time_s"] for r in rows[2:])
+    return rc, text, rows, round(times[len(times) // 2], 3) if times else None
+
+
 def group_moehost(out: Path) -> list[dict]:
-    v2 = folder("v2lite12", "deepseek-v2-lite", 12, weights=False)
     nogc = MODELS / "nogc"  # a sitecustomize that turns Python's garbage collector off in every process
     nogc.mkdir(parents=True, exist_ok=True)
     (nogc / "sitecustomize.py").write_text("import gc\ngc.disable()\n")
@@ -565,18 +585,13 @@ def group_moehost(out: Path) -> list[dict]:
                           ("selective", "selective", cache),
                           ("none gc off", "none", {**cache, "PYTHONPATH": f"{nogc}{os.pathsep}{ENV['PYTHONPATH']}"})):
         run_dir = out / f"moehost-{len(runs)}"
-        jsonl = out / f"moehost-{len(runs)}.jsonl"
-        with extra_env(env):
-            rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model", v2,
-                           "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1", "--compile",
-                           "--activation-checkpointing", ac, "--data", "synthetic", "--steps", "10",
-                           "--profile-steps", "9:9", "--run-dir", str(run_dir), "--metrics-jsonl", str(jsonl)], 200)
-        steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
-        times = [round(r["step_time_s"], 3) for r in steps if "step_time_s" in r]
+        rc, text, rows, _ = v2lite_mbs1(out, f"moehost-{len(runs)}", 12, env, 10, ac,
+                                        ("--profile-steps", "9:9", "--run-dir", str(run_dir)), timeout=200)
+        times = [round(r["step_time_s"], 3) for r in rows]
+        step = sorted(times[2:8])[len(times[2:8]) // 2] if len(times) > 3 else None  # before the profiled step
         prof = [ln for ln in text.splitlines() if ln.startswith(("profile rank", "  top", "  while"))]
         (run_dir / "profile" / "rank0.json").unlink(missing_ok=True)  # hundreds of MB; the summary stays
-        r = {"name": f"v2lite12 mbs1 {name}", "rc": rc, "step_times_s": times,
-             "step_time_s": sorted(times[2:8])[len(times[2:8]) // 2] if len(times) > 3 else None, "profile": prof,
+        r = {"name": f"v2lite12 mbs1 {name}", "rc": rc, "step_times_s": times, "step_time_s": step, "profile": prof,
              "graph_breaks": text.count("Graph break"), "recompiles": text.count("Recompiling")}
         print(f"    {r['name']}: {times} graph breaks {r['graph_breaks']}, recompiles {r['recompiles']}", *prof,
               sep="\n", flush=True)
@@ -615,19 +630,11 @@ def group_gccause(out: Path) -> list[dict]:
                               ("warm cache, no freeze", 8, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-a", **path("nofreeze")}),
                               ("cold cache, freeze", 12, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-d"}),
                               ("cold cache, no freeze", 12, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/gc-e", **path("nofreeze")})):
-        model = folder(f"v2lite{layers}", "deepseek-v2-lite", layers, weights=False)
-        jsonl = out / f"gccause-{len(runs)}.jsonl"
-        with extra_env(env):
-            rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model",
-                           model, "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1",
-                           "--compile", "--activation-checkpointing", "none", "--data", "synthetic", "--steps", "10",
-                           "--metrics-jsonl", str(jsonl)], 150)
-        steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
-        steps = [s for s in steps if "step_time_s" in s]
-        times = [round(s["step_time_s"], 3) for s in steps]
-        gc_ms = [round(s.get("gc_s", 0) * 1e3, 1) for s in steps]
+        rc, text, rows, step = v2lite_mbs1(out, f"gccause-{len(runs)}", layers, env, 10)
+        times = [round(r["step_time_s"], 3) for r in rows]
+        gc_ms = [round(r.get("gc_s", 0) * 1e3, 1) for r in rows]
         r = {"name": f"v2lite{layers} mbs1 none {name}", "rc": rc, "step_times_s": times, "gc_ms": gc_ms,
-             "step_time_s": sorted(times[2:])[len(times[2:]) // 2] if len(times) > 3 else None}
+             "step_time_s": step}
         if rc:
             r["tail"] = text[-1500:]
         print(f"    {r['name']}: rc {rc} step {r['step_time_s']} s {times}, gc ms {gc_ms}", flush=True)
@@ -677,20 +684,13 @@ def sampled_run(out: Path, name: str, layers: int, env: dict[str, str]) -> dict:
     hook = MODELS / "sampler"
     hook.mkdir(parents=True, exist_ok=True)
     (hook / "sitecustomize.py").write_text(SAMPLER)
-    model = folder(f"v2lite{layers}", "deepseek-v2-lite", layers, weights=False)
-    jsonl, report = out / f"{name}.jsonl", out / f"{name}.txt"
-    with extra_env({**env, "PYTHONPATH": f"{hook}{os.pathsep}{ENV['PYTHONPATH']}", "SAMPLE_JSONL": str(jsonl),
-                    "SAMPLE_REPORT": str(report)}):
-        rc, text = sh([sys.executable, "-m", "paraseek", "train", "--device", "cuda", "--nproc", "1", "--model",
-                       model, "--seq-len", "4096", "--micro-batch-size", "1", "--global-batch-size", "1",
-                       "--compile", "--activation-checkpointing", "none", "--data", "synthetic", "--steps", "16",
-                       "--metrics-jsonl", str(jsonl)], 150)
-    steps = [json.loads(ln) for ln in jsonl.read_text().splitlines()] if jsonl.exists() else []
-    times = [round(s["step_time_s"], 3) for s in steps if "step_time_s" in s]
-    samples = report.read_text() if report.exists() else ""
-    r = {"name": f"v2lite{layers} mbs1 none {name} {env}", "rc": rc, "step_times_s": times,
-         "step_time_s": sorted(times[2:])[len(times[2:]) // 2] if len(times) > 3 else None, "samples": samples}
-    return r
+    report = out / f"{name}.txt"
+    rc, _, rows, step = v2lite_mbs1(out, name, layers, {**env, "PYTHONPATH": f"{hook}{os.pathsep}{ENV['PYTHONPATH']}",
+                                                         "SAMPLE_JSONL": str(out / f"{name}.jsonl"),
+                                                         "SAMPLE_REPORT": str(report)}, 16)
+    return {"name": f"v2lite{layers} mbs1 none {name} {env}", "rc": rc,
+            "step_times_s": [round(r["step_time_s"], 3) for r in rows], "step_time_s": step,
+            "samples": report.read_text() if report.exists() else ""}
 
 
 def group_hostsample(out: Path) -> list[dict]:
@@ -713,7 +713,7 @@ def group_mallocvar(out: Path) -> list[dict]:
     autograd thread: 53% of samples cold, 22% warm), whose host part builds and pins metadata of one int64 per 2 KiB
     of gradient. Is it glibc's malloc (arenas, trimming, mmap of the large vectors) in a heap the compile churned?
     V2-Lite-12, each with its own cold cache."""
-    variants = (("cold", {}),
+    variants = (("cold", {"GLIBC_TUNABLES": ""}),  # glibc's defaults, as before the launcher set it
                 ("cold-mmap32m-notrim", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:"
                                                            "glibc.malloc.trim_threshold=4294967296"}),
                 ("cold-arena1", {"GLIBC_TUNABLES": "glibc.malloc.arena_max=1"}),
