@@ -3,7 +3,9 @@ of main's code, each a patched copy of src/paraseek (so one call compares them; 
 
     python scripts/gpu/fp8_push.py RUN[,RUN...] --out DIR [--anchors DIR]
 
-RUN is RECIPE:VARIANT (bench of deepseek-llm-7b), parity-RECIPE:VARIANT (validate.py's 500-step fp8parity run;
+RUN is RECIPE:VARIANT (bench of deepseek-llm-7b), moe-RECIPE:VARIANT (bench of DeepSeek-V2-Lite cut to 6 layers,
+validate.py fp8moe's flags: no checkpointing, compile, micro-batch MBS from FP8_PUSH_MOE_MBS, 2 by default),
+parity-RECIPE:VARIANT (validate.py's 500-step fp8parity run;
 the gap is to the first parity run of the call, so put parity-off:main first), or tt:RECIPE (anchors'
 torchtitan_peer.sh ds7b, compiled, float8). Variants (joined with +):
   main   main's code.
@@ -12,6 +14,11 @@ torchtitan_peer.sh ds7b, compiled, float8). Variants (joined with +):
   epc    inductor's emulate_precision_casts on for the rowwise recipes, as TorchTitan sets it (pytorch#150859: under
          compile + checkpointing the recomputed forward's casts can round differently from the forward's, so the
          backward's rowwise scales and float8 values differ from those the forward used).
+  experts  --fp8-experts on added to the run.
+  allproj  every block projection in float8 whatever its size (main before fp8_pays).
+
+Calls 2-4 of 2026-12-03 also ran variants since made main or dropped: the experts' float8 GEMMs with fast
+accumulation in the forward only, or in both (main: both), and --fp8 with the experts in bf16 (main's default).
 
 Call 19 (2026-12-02) also ran a variant `noag`: with one data-parallel rank, no float8 all-gather (the weights cast
 inside the compiled blocks, not in FSDP2's eager pre-gather hook). It was 9% faster and is main's code since.
@@ -36,10 +43,11 @@ PATCHES = {
               "    torch.ops._c10d_functional.all_to_all_single.default,  # expert dispatch: never redo communication\n"
               "    torch.ops.aten._scaled_mm.default,\n    torch.ops.aten.max.default,\n")],
     "epc": [("parallel/fp8.py",
-             "    convert_to_float8_training(model, config=_config(recipe, float8_all_gather), module_filter_fn=fp8_filter)\n",
-             "    convert_to_float8_training(model, config=_config(recipe, float8_all_gather), module_filter_fn=fp8_filter)\n"
+             "                               module_filter_fn=lambda m, fqn: fp8_filter(m, fqn, recipe))\n",
+             "                               module_filter_fn=lambda m, fqn: fp8_filter(m, fqn, recipe))\n"
              "    if recipe != 'tensorwise':\n        import torch._inductor.config\n\n"
              "        torch._inductor.config.emulate_precision_casts = True\n")],
+    "allproj": [("parallel/fp8.py", "    if emulated():\n        return True\n", "    return True\n")],
 }
 
 
@@ -79,6 +87,15 @@ def main() -> None:
             ref = next((x["tail_loss"] for x in rows if x["name"].startswith("parity-")), None)
             if ref and r["tail_loss"]:
                 r["loss_gap"] = (r["tail_loss"] - ref) / ref
+        elif what.startswith("moe-"):
+            v.ENV["PYTHONPATH"] = os.pathsep.join([variant_src(how), *base_path])
+            mbs = int(os.environ.get("FP8_PUSH_MOE_MBS", "2"))
+            r = v.bench_run(f"v2lite-6l mbs {mbs} fp8 {what.removeprefix('moe-')} [{how}]", v.N,
+                            ["--model", v.folder("v2lite6", "deepseek-v2-lite", 6, weights=False), "--seq-len", "4096",
+                             "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * v.N),
+                             "--activation-checkpointing", "none", "--compile", "--fp8", what.removeprefix("moe-"),
+                             *(["--fp8-experts", "on"] if "experts" in how.split("+") else [])],
+                            timeout=240)
         else:
             v.ENV["PYTHONPATH"] = os.pathsep.join([variant_src(how), *base_path])
             r = v.bench_run(f"7b fp8 {what} [{how}]", v.N, ["--model", "deepseek-llm-7b", *v.SEVEN_BEST,

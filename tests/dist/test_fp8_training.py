@@ -56,3 +56,24 @@ def test_tensorwise_under_hsdp_and_pp_matches_one_process(tmp_path, monkeypatch)
     assert_same_fp8_losses(losses("hsdp", "--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2"), ref)
     # 2 stages, each sharded over 2 ranks: every stage converted, its float8 all-gather's scales precomputed
     assert_same_fp8_losses(losses("pp2", "--nproc", "4", "--pp", "2", "--dp-shard", "2"), ref)
+
+
+def test_float8_experts_track_fp32_and_expert_parallel_matches_one_process(tmp_path, monkeypatch):
+    """--fp8-experts on (the routed experts' grouped GEMMs in float8, emulated): close to fp32, and with the experts
+    split over 2 ranks (EP: each rank's local experts on its own padded groups) the one-process losses. Rowwise, so
+    every scale is per row and the same however the tokens are batched or dispatched."""
+    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
+    init = seed_checkpoint("tiny-moe", tmp_path / "init")
+
+    def losses(name, *flags):
+        run_train(*EXACT, "--steps", "3", "--micro-batch-size", "4", "--init-from", str(init),
+                  "--metrics-jsonl", f"{name}.jsonl", *flags, cwd=tmp_path)
+        return step_losses(tmp_path / f"{name}.jsonl")
+
+    fp8 = ["--fp8", "rowwise", "--fp8-experts", "on"]
+    ref = losses("fp32", "--nproc", "1")
+    one = losses("one", "--nproc", "1", *fp8)
+    dense_only = losses("dense-only", "--nproc", "1", "--fp8", "rowwise")
+    assert one != dense_only  # the experts' float8 casts ran
+    assert_same_losses(one, ref, rtol=0.02)
+    assert_same_fp8_losses(losses("ep2", "--nproc", "2", "--dp-shard", "2", "--ep", "2", *fp8), one)

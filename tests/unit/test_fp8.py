@@ -9,16 +9,47 @@ from paraseek.models.deepseek import Transformer
 from paraseek.parallel.fp8 import fp8_filter, fp8_problem
 
 
-def test_the_filter_takes_block_projections_with_dims_of_16():
+def test_the_filter_takes_block_projections_with_dims_of_16(monkeypatch):
+    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")  # no speed to weigh: every projection the GEMM takes
     args, _, _ = resolve_model("tiny-moe")
     with torch.device("meta"):
         model = Transformer(args)
-    picked = {n.split(".", 2)[2] for n, m in model.named_modules() if fp8_filter(m, n) and n.startswith("layers.1.")}
+    picked = {n.split(".", 2)[2] for n, m in model.named_modules()
+              if fp8_filter(m, n, "rowwise") and n.startswith("layers.1.")}
     # layer 1 of tiny-moe: MLA without kv_a (40 rows: not a multiple of 16), the router and the grouped experts
     # stay out, the shared experts' projections go in; the head and embedding are never block projections
     assert picked == {"self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
                       "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"}
-    assert not fp8_filter(model.lm_head, "lm_head") and not fp8_filter(model.embed_tokens, "embed_tokens")
+    assert not fp8_filter(model.lm_head, "lm_head", "rowwise")
+    assert not fp8_filter(model.embed_tokens, "embed_tokens", "rowwise")
+
+
+def _named(model_name: str) -> list:
+    args, _, _ = resolve_model(model_name)
+    with torch.device("meta"):
+        return list(Transformer(args).named_modules())
+
+
+def _converted(model_name: str, recipe: str) -> set[str]:
+    return {n.split(".")[-1] for n, m in _named(model_name) if fp8_filter(m, n, recipe)}
+
+
+def test_on_a_gpu_only_projections_large_enough_for_float8_to_pay(monkeypatch):
+    monkeypatch.delenv("PARASEEK_FP8_EMULATE", raising=False)
+    # DeepSeek-LLM-7B: 4096 x 4096 attention and 4096 <-> 11008 MLP projections pay under every recipe
+    seven = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert _converted("deepseek-llm-7b", "tensorwise") == _converted("deepseek-llm-7b", "rowwise") == seven
+    # DeepSeek-V2-Lite, 2048 wide: under rowwise only its first (dense) layer's 2048 -> 10944 gate and up (the rest
+    # have out <= 2048, or <= 4096 with in <= 2048, or in <= 1024); under tensorwise all but the 2048 -> 576 latent
+    # projection (in <= 4096 and out <= 1024)
+    rowwise = {n for n, m in _named("deepseek-v2-lite") if fp8_filter(m, n, "rowwise")}
+    assert rowwise == {f"layers.0.mlp.{n}" for n in ("gate_proj", "up_proj")}
+    assert _converted("deepseek-v2-lite", "rowwise-gw-hp") == {"gate_proj", "up_proj"}
+    assert _converted("deepseek-v2-lite", "tensorwise") == {"q_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                                                            "down_proj"}
+    # Llama-3.1-8B's 4096 -> 1024 k/v projections (grouped-query attention) stay bf16 under both
+    assert "k_proj" not in _converted("deepseek-r1-distill-llama-8b", "tensorwise")
+    assert "q_proj" in _converted("deepseek-r1-distill-llama-8b", "rowwise")
 
 
 def test_where_fp8_cannot_run(monkeypatch):
@@ -47,6 +78,95 @@ def test_train_refuses_fp8_on_cpu_in_one_line(capsys, monkeypatch):
     assert main(["train", "--model", "tiny-dense", "--device", "cpu", "--fp8", "fp4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "fp4" in err and "tensorwise" in err and len(err.splitlines()) == 1, err
+
+
+def test_fp8_experts_flag_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
+    for argv, want in ((["--model", "tiny-moe", "--fp8-experts", "on"], "adds the routed experts to --fp8"),
+                       (["--model", "tiny-dense", "--fp8", "rowwise", "--fp8-experts", "on"], "has no routed experts")):
+        assert main(["train", "--device", "cpu", "--nproc", "1", "--steps", "1", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert want in err and len(err.splitlines()) == 1, err
+    from paraseek.parallel.fp8 import fp8_experts_problem
+
+    assert "needs a Hopper GPU" in fp8_experts_problem("tensorwise", "cuda", (8, 9))
+    assert "this GPU has 10.0" in fp8_experts_problem("tensorwise", "cuda", (10, 0))
+    assert fp8_experts_problem("rowwise", "cuda", (9, 0)) is None
+
+
+# ---- the routed experts' float8 grouped GEMM (models/fp8_grouped.py), emulated ---------------------------------------------
+def test_rowwise_fp8_scales_are_powers_of_two_and_round_within_e4m3():
+    from paraseek.models.fp8_grouped import E4M3_MAX, rowwise_fp8
+
+    t = torch.randn(64, 48, dtype=torch.float64) * torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None]
+    t8, inv = rowwise_fp8(t, dim=-1)
+    assert t8.dtype == torch.float8_e4m3fn and inv.shape == (64,) and inv.is_contiguous()
+    assert torch.equal(torch.exp2(torch.round(torch.log2(inv))), inv)  # powers of two
+    scaled_amax = t8.float().abs().amax(dim=-1)
+    assert (scaled_amax <= E4M3_MAX).all() and (scaled_amax >= E4M3_MAX / 2).all()  # the largest exponent that fits
+    back = t8.double() * inv.double()[:, None]
+    normal = t8.float().abs() >= 2 ** -6  # e4m3's smallest normal: 3 mantissa bits, relative error <= 2^-4 there
+    assert ((back - t).abs() <= t.abs() * 2 ** -4)[normal].all()
+
+
+def test_pad_groups_puts_each_expert_on_a_multiple_of_16_rows():
+    from paraseek.models.fp8_grouped import pad_groups
+
+    counts = torch.tensor([5, 0, 17, 10, 16])
+    dest, padded, n_pad = pad_groups(counts, 48)
+    starts = torch.cumsum(padded, 0) - padded
+    assert n_pad == 128 and n_pad % 16 == 0 and int(padded.sum()) == n_pad  # the static bound 48 + 15 * 5, to 16
+    assert (padded % 16 == 0).all() and (padded >= counts).all()
+    # expert e's rows keep their order and start at its padded group's start
+    want = torch.cat([starts[e] + torch.arange(int(c)) for e, c in enumerate(counts)])
+    assert torch.equal(dest, want)
+
+
+def test_fp8_grouped_mm_against_plain_float32(monkeypatch):
+    """The emulated float8 experts against an fp32 computation written out here: the forward and dx are the float8
+    casts' rounding away (e4m3: 3 mantissa bits), and dw (a bf16 GEMM on the GPU) is dy_e^T x_e exactly."""
+    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
+    from paraseek.models.fp8_grouped import fp8_grouped_mm
+
+    torch.manual_seed(0)
+    counts = torch.tensor([7, 0, 33, 24])
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    dy = torch.randn(64, 48)
+    fp8_grouped_mm(x, w, counts).backward(dy)
+    rows = [slice(int(a), int(b)) for a, b in zip(torch.cumsum(counts, 0) - counts, torch.cumsum(counts, 0))]
+    y_ref = torch.cat([x[r] @ w[e].t() for e, r in enumerate(rows)])
+    dx_ref = torch.cat([dy[r] @ w[e] for e, r in enumerate(rows)])
+    dw_ref = torch.stack([dy[r].t() @ x[r] for r in rows])
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    y = fp8_grouped_mm(x, w, counts)
+    assert 1e-3 < rel(y, y_ref.detach()) < 0.06 and 1e-3 < rel(x.grad, dx_ref) < 0.06  # quantized, not exact
+    assert torch.allclose(w.grad, dw_ref, rtol=1e-5, atol=1e-5) and w.grad[1].abs().max() == 0
+
+
+def test_float8_experts_pad_without_changing_what_they_compute(monkeypatch):
+    """Experts under --fp8-experts pad each expert's rows to 16 with zeros for the GPU kernel: the rows out, their
+    input gradient and the weight gradients are those of the same float8 GEMMs on the unpadded rows (the emulation
+    takes any group size), since every scale is per row."""
+    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
+    import torch.nn.functional as F
+
+    from paraseek.models.deepseek import Experts
+    from paraseek.models.fp8_grouped import fp8_grouped_mm
+
+    torch.manual_seed(0)
+    experts = Experts(4, 32, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, 0, 0.1)
+    counts = torch.tensor([9, 0, 30, 1])
+    x = torch.randn(40, 32, requires_grad=True)
+    experts.fp8 = True
+    padded = torch.autograd.grad(experts(x, counts).square().sum(), [x, *experts.parameters()])
+    h = F.silu(fp8_grouped_mm(x, experts.gate_proj, counts)) * fp8_grouped_mm(x, experts.up_proj, counts)
+    y = fp8_grouped_mm(h, experts.down_proj, counts)
+    unpadded = torch.autograd.grad(y.square().sum(), [x, *experts.parameters()])
+    for a, b in zip(padded, unpadded):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 # ---- the planner's fp8 terms (planner/cost.py) --------------------------------------------------------------------

@@ -230,10 +230,16 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
     )
 
 
-def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
+def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None,
+               fp8: bool = False) -> torch.Tensor:
     """Rows of x sorted by expert (counts_E rows for expert e) times expert e's weight [O, I]: one grouped GEMM.
 
-    The fallback loops over experts (never over tokens) and is exact; it needs the counts on the host."""
+    The fallback loops over experts (never over tokens) and is exact; it needs the counts on the host.
+    fp8: the float8 grouped GEMM of --fp8-experts (models/fp8_grouped.py)."""
+    if fp8:
+        from paraseek.models.fp8_grouped import fp8_grouped_mm
+
+        return fp8_grouped_mm(x_MI, w_EOI, counts_E)
     if use_grouped is None:
         use_grouped = _use_grouped_mm(x_MI)
     if use_grouped:
@@ -246,6 +252,10 @@ def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, 
 class Experts(nn.Module):
     """E routed SwiGLU experts as stacked [E, out, in] weights (one per-expert nn.Linear each in the hub format)."""
 
+    # The GEMMs in float8 (--fp8; set by parallel.fp8.apply_fp8). A class attribute: expert parallelism's subclass
+    # is built without Experts.__init__.
+    fp8: bool = False
+
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
@@ -253,15 +263,21 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
+        if self.fp8:  # the float8 grouped GEMM takes groups of 16k rows: zero rows added once for all three GEMMs
+            from paraseek.models.fp8_grouped import pad_groups
+
+            dest_M, counts_E, n_pad = pad_groups(counts_E, x_MD.shape[0])
+            x_MD = x_MD.new_zeros(n_pad, x_MD.shape[1]).index_copy(0, dest_M, x_MD)
         h_MF = F.silu(self.project("gate_proj", x_MD, counts_E, use_grouped)) * self.project(
             "up_proj", x_MD, counts_E, use_grouped
         )
-        return self.project("down_proj", h_MF, counts_E, use_grouped)
+        y_MD = self.project("down_proj", h_MF, counts_E, use_grouped)
+        return y_MD.index_select(0, dest_M) if self.fp8 else y_MD
 
     def project(self, name: str, x_MI: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None) -> torch.Tensor:
         """x through the stacked projection `name` ([E, O, I]): the one place an expert weight is applied, so that
         what is applied from outside (expert parallelism's local shards, LoRA's low-rank term) overrides only this."""
-        return grouped_mm(x_MI, getattr(self, name), counts_E, use_grouped)
+        return grouped_mm(x_MI, getattr(self, name), counts_E, use_grouped, self.fp8)
 
 
 class Gate(nn.Module):

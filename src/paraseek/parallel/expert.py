@@ -93,7 +93,7 @@ class ExpertParallelExperts(Experts):
 
 
     def project(self, name: str, x_MI: torch.Tensor, counts_L: torch.Tensor, use_grouped: bool | None) -> torch.Tensor:
-        return grouped_mm(x_MI, _local(getattr(self, name)), counts_L, use_grouped)
+        return grouped_mm(x_MI, _local(getattr(self, name)), counts_L, use_grouped, self.fp8)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -12,9 +12,18 @@ scales, everything numerically delicate in higher precision. The recipes (torcha
     rowwise-gw-hp  rowwise, with the weight-gradient GEMM kept in high precision (torchao's rowwise_with_gw_hp).
 
 What is converted (`fp8_filter`): the nn.Linear of the attention and MLP projections (dense MLPs and shared
-experts) whose in and out features are multiples of 16, what the float8 GEMM (torch._scaled_mm) requires. The output
-head, the MoE router, the embedding and the norms are not nn.Linear projections of a block and stay in the training
-precision, as in DeepSeek-V3; the routed experts (grouped weights) stay in it too for now.
+experts) whose in and out features are multiples of 16, what the float8 GEMM (torch._scaled_mm) requires, and large
+enough for float8 to pay (`fp8_pays`: torchao's thresholds; on DeepSeek-LLM-7B every projection is, on V2-Lite under
+rowwise only the first, dense, layer's gate and up). The output head, the MoE router, the embedding and the norms are not nn.Linear projections of a
+block and stay in the training precision, as in DeepSeek-V3.
+
+With `--fp8-experts on` the routed experts ([E, out, in] weights, one grouped GEMM per projection) run
+`fp8_grouped_mm` under any recipe: the forward and the input-gradient GEMMs in float8 with per-row scales
+(torch._scaled_grouped_mm, Hopper only; each expert's rows padded to a multiple of 16), the weight-gradient GEMM in
+bf16, as rowwise-gw-hp does for the projections. Per-row, because that is the scaling the grouped GEMM takes; bf16
+weight gradients, because there each expert's token rows are the contraction (jagged per-group scales, a third
+quantization pass). Off by default: on DeepSeek-V2-Lite's shape it pays only from about 16k tokens per micro-batch
+(one H200: 0.95x bf16 at 8,192, 1.01x at 16,384; BENCHMARKS.md, FP8).
 
 On a GPU this needs float8 tensor cores (compute capability 8.9: Ada, Hopper and newer). On CPU it is refused,
 except for tests: PARASEEK_FP8_EMULATE=1 runs torchao's emulation (the same casts and scales, matmuls in high
@@ -24,20 +33,16 @@ precision; no speed-up), which is how the CPU suite checks the wiring and the lo
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from torch import nn
 
+from paraseek.models.fp8_grouped import emulated
 from paraseek.planner.dims import ParallelDims, fp8_engine_problem
 
 RECIPES = ("tensorwise", "rowwise", "rowwise-gw-hp")
 _TORCHAO_NAME = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise-gw-hp": "rowwise_with_gw_hp"}
 _BLOCK_PARENTS = ("self_attn", "mlp", "shared_experts")  # the projections of a block
 MIN_CAPABILITY = (8, 9)
-
-
-def emulated() -> bool:
-    return os.environ.get("PARASEEK_FP8_EMULATE") == "1"
 
 
 def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, dims: ParallelDims, *,
@@ -60,13 +65,38 @@ def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, di
     return None
 
 
-def fp8_filter(module: nn.Module, fqn: str) -> bool:
+def fp8_pays(recipe: str, k: int, n: int) -> bool:
+    """Whether a float8 GEMM of in_features k and out_features n beats bf16 under `recipe`, casts included: torchao's
+    thresholds from its H100 tables (torchao/float8 README, "Performance"; float8_linear_utils._auto_filter_for_*).
+    Below them the casts and scale reductions cost more than the faster GEMM saves: DeepSeek-V2-Lite's projections
+    (2048 wide) all in float8 rowwise ran 0.80x bf16 on one H200 (BENCHMARKS.md, FP8). Emulated (CPU tests) there
+    is no speed to weigh: every projection the GEMM takes is converted, so the tiny test models exercise the casts."""
+    if emulated():
+        return True
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))  # rowwise, and rowwise-gw-hp's same casts
+
+
+def fp8_filter(module: nn.Module, fqn: str, recipe: str) -> bool:
     """True for the nn.Linear that become float8 linears: a block's attention and MLP projections whose shapes the
-    float8 GEMM takes (both dims multiples of 16)."""
+    float8 GEMM takes (both dims multiples of 16) and where it pays (fp8_pays)."""
     if not isinstance(module, nn.Linear):
         return False
     parent = fqn.split(".")[-2] if "." in fqn else ""
-    return parent in _BLOCK_PARENTS and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    k, n = module.in_features, module.out_features
+    return parent in _BLOCK_PARENTS and k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n)
+
+
+def fp8_experts_problem(recipe: str, device: str, capability: tuple[int, int] | None) -> str | None:
+    """Why `--fp8-experts on` cannot run here, or None: it adds the routed experts to a --fp8 recipe, and
+    torch._scaled_grouped_mm's float8 kernels are Hopper's (sm90) only. CPU: the emulation of the tests."""
+    if recipe == "off":
+        return "--fp8-experts on adds the routed experts to --fp8 RECIPE; give --fp8 tensorwise, rowwise or rowwise-gw-hp"
+    if device == "cuda" and capability is not None and tuple(capability)[0] != 9:
+        return (f"--fp8-experts needs a Hopper GPU (compute capability 9.x: the float8 grouped GEMM's kernels); this "
+                f"GPU has {capability[0]}.{capability[1]}; leave it out (the experts then train in bf16)")
+    return None
 
 
 def _config(recipe: str, float8_all_gather: bool):
@@ -76,13 +106,19 @@ def _config(recipe: str, float8_all_gather: bool):
     return dataclasses.replace(cfg, enable_fsdp_float8_all_gather=float8_all_gather, emulate=emulated())
 
 
-def apply_fp8(model: nn.Module, recipe: str, float8_all_gather: bool) -> None:
+def apply_fp8(model: nn.Module, recipe: str, float8_all_gather: bool, experts: bool) -> None:
     """Swap the filtered linears of `model` (on the meta device, before AC, compile and FSDP2 wrap it) for torchao's
     float8 linears; `float8_all_gather` (tensorwise, FSDP2 with a shard > 1) casts the weights before FSDP2 gathers
-    them, instead of inside each linear."""
+    them, instead of inside each linear. `experts` (--fp8-experts on): the routed experts on `fp8_grouped_mm`."""
     from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(model, config=_config(recipe, float8_all_gather), module_filter_fn=fp8_filter)
+    from paraseek.models.deepseek import Experts
+
+    convert_to_float8_training(model, config=_config(recipe, float8_all_gather),
+                               module_filter_fn=lambda m, fqn: fp8_filter(m, fqn, recipe))
+    for m in model.modules():
+        if experts and isinstance(m, Experts) and all(d % 16 == 0 for d in m.gate_proj.shape[1:]):
+            m.fp8 = True  # the float8 GEMM takes K and N that are multiples of 16
 
 
 def precompute_scales(model: nn.Module) -> None:

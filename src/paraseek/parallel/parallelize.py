@@ -52,7 +52,7 @@ class Parallelized:
 
 def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activation_checkpointing: str = "none",
                 compile: bool = False, reshard_after_forward: bool = True, cpu_offload: bool = False,
-                lora: LoRASpec | None = None, fp8: str = "off") -> Parallelized:
+                lora: LoRASpec | None = None, fp8: str = "off", fp8_experts: bool = False) -> Parallelized:
     """EP -> LoRA -> TP -> FP8 -> AC -> compile -> FSDP2 on `model` in place (see the module docstring)."""
     dims, done = mesh.dims, Parallelized()
     if mesh.ep is not None:
@@ -66,7 +66,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activ
         from paraseek.parallel.fp8 import apply_fp8
 
         gather = float8_all_gather(dims, fp8)
-        apply_fp8(model, fp8, float8_all_gather=gather)
+        apply_fp8(model, fp8, float8_all_gather=gather, experts=fp8_experts)
         done.fp8_precompute = gather
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
@@ -97,6 +97,8 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+if hasattr(torch.ops.aten, "_scaled_grouped_mm"):  # the routed experts under --fp8 (fp8.py: fp8_grouped_mm)
+    _SAVE_OPS.add(torch.ops.aten._scaled_grouped_mm.default)
 
 
 # A low-rank product is recomputed: a matmul whose contraction k is at most 64 and at most 1/8 of its output width N.

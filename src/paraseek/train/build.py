@@ -64,7 +64,8 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
         part.mtp.requires_grad_(False)
         done = parallelize(part, mesh, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
                            compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward,
-                           cpu_offload=cfg.cpu_offload, lora=lora, fp8=cfg.fp8)
+                           cpu_offload=cfg.cpu_offload, lora=lora, fp8=cfg.fp8,
+                           fp8_experts=cfg.fp8_experts == "on")
         tp_partial += done.tp_partial
         seq_shards = done.seq_shards
         part.to_empty(device="cpu" if cfg.cpu_offload else device)
