@@ -229,3 +229,20 @@ def test_the_search_keeps_fp8_and_refuses_it_without_float8_cores():
     assert TrainConfig(model="deepseek-llm-7b", fp8="tensorwise").to_plan().fp8 == "tensorwise"
     with pytest.raises(UserError, match="A100-80GB has no float8 tensor cores"):
         search(args, make_cluster("A100-80GB", 8), 4096, 64, fp8="tensorwise")
+
+
+def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):
+    """planner/cost.py's fp8_share (from the shapes models/lora_spec lists) against the model's own nn.Linear run
+    through parallel/fp8.py's filter: the share of block-projection GEMM FLOPs in float8, per recipe."""
+    from paraseek.planner.cost import fp8_share
+
+    monkeypatch.delenv("PARASEEK_FP8_EMULATE", raising=False)
+    for name in ("deepseek-llm-7b", "deepseek-v2-lite", "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b"):
+        args, _, _ = resolve_model(name)
+        linears = [(n, m) for n, m in _named(name) if isinstance(m, torch.nn.Linear)
+                   and n.split(".")[-2:-1] in (["self_attn"], ["mlp"], ["shared_experts"])]
+        total = sum(m.in_features * m.out_features for _, m in linears)
+        for recipe in ("tensorwise", "rowwise"):
+            fp8 = sum(m.in_features * m.out_features for n, m in linears if fp8_filter(m, n, recipe))
+            assert fp8_share(args, recipe) == pytest.approx(fp8 / total, rel=1e-12), (name, recipe)
+    assert fp8_share(resolve_model("deepseek-llm-7b")[0], "rowwise") == 1.0

@@ -37,6 +37,7 @@ import dataclasses
 from torch import nn
 
 from paraseek.models.fp8_grouped import emulated
+from paraseek.planner.cost import fp8_pays
 from paraseek.planner.dims import ParallelDims, fp8_engine_problem
 
 RECIPES = ("tensorwise", "rowwise", "rowwise-gw-hp")
@@ -65,27 +66,15 @@ def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, di
     return None
 
 
-def fp8_pays(recipe: str, k: int, n: int) -> bool:
-    """Whether a float8 GEMM of in_features k and out_features n beats bf16 under `recipe`, casts included: torchao's
-    thresholds from its H100 tables (torchao/float8 README, "Performance"; float8_linear_utils._auto_filter_for_*).
-    Below them the casts and scale reductions cost more than the faster GEMM saves: DeepSeek-V2-Lite's projections
-    (2048 wide) all in float8 rowwise ran 0.80x bf16 on one H200 (BENCHMARKS.md, FP8). Emulated (CPU tests) there
-    is no speed to weigh: every projection the GEMM takes is converted, so the tiny test models exercise the casts."""
-    if emulated():
-        return True
-    if recipe == "tensorwise":
-        return not (k <= 4096 and n <= 1024)
-    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))  # rowwise, and rowwise-gw-hp's same casts
-
-
 def fp8_filter(module: nn.Module, fqn: str, recipe: str) -> bool:
     """True for the nn.Linear that become float8 linears: a block's attention and MLP projections whose shapes the
-    float8 GEMM takes (both dims multiples of 16) and where it pays (fp8_pays)."""
+    float8 GEMM takes (both dims multiples of 16) and where it pays (planner/cost.py: fp8_pays)."""
     if not isinstance(module, nn.Linear):
         return False
     parent = fqn.split(".")[-2] if "." in fqn else ""
     k, n = module.in_features, module.out_features
-    return parent in _BLOCK_PARENTS and k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n)
+    # emulated (CPU tests) there is no speed to weigh: every projection the GEMM takes, so tiny models exercise casts
+    return parent in _BLOCK_PARENTS and k % 16 == 0 and n % 16 == 0 and (emulated() or fp8_pays(recipe, k, n))
 
 
 def fp8_experts_problem(recipe: str, device: str, capability: tuple[int, int] | None) -> str | None:

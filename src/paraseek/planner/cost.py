@@ -16,9 +16,12 @@ over tp once per step after backward (`reduce_tp_grads`), on the critical path.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+from paraseek.models.args import ModelArgs
+from paraseek.models.lora_spec import LoRASpec, adapted, model_targets
 from paraseek.planner.dims import float8_all_gather
 from paraseek.planner.memory import (BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, compiled_loss, hot_ranks,
                                      rank_shares)
@@ -85,6 +88,30 @@ COMPILED_LOSS_TRAFFIC = 6.0
 # docs/planner.md, "FP8"); rowwise-gw-hp keeps the weight-gradient third in bf16: 1 / (2/3 / 1.142 + 1/3), derived.
 FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.46, "rowwise": 1.14, "rowwise-gw-hp": 1.09}
 FP8 = 1  # bytes per param of a float8 all-gather
+
+
+def fp8_pays(recipe: str, k: int, n: int) -> bool:
+    """Whether a float8 GEMM of in_features k and out_features n beats bf16 under `recipe`, casts included: torchao's
+    thresholds from its H100 tables (torchao/float8 README, "Performance"; float8_linear_utils._auto_filter_for_*).
+    Below them the casts and scale reductions cost more than the faster GEMM saves: DeepSeek-V2-Lite's projections
+    (2048 wide) all in float8 rowwise ran 0.80x bf16 on one H200 (BENCHMARKS.md, FP8). parallel/fp8.py converts
+    only these; fp8_share prices them."""
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))  # rowwise, and rowwise-gw-hp's same casts
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_share(a: ModelArgs, recipe: str) -> float:
+    """The share of the block projections' GEMM FLOPs (attention, dense MLPs, shared experts) that `--fp8 recipe`
+    runs in float8: the shapes parallel/fp8.py's filter converts (multiples of 16 where fp8_pays), as
+    models/lora_spec.adapted lists them. 1 on DeepSeek-LLM-7B; V2-Lite under rowwise only its dense layer's gate/up."""
+    if recipe == "off":
+        return 0.0
+    targets = tuple(t for t in model_targets(a) if t != "experts")
+    shapes = [(w.in_features, w.out_features) for w in adapted(a, LoRASpec(1, 1.0, targets))]
+    paid = sum(k * n for k, n in shapes if k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n))
+    return paid / sum(k * n for k, n in shapes)
 # Tensorwise's float8 all-gather (FSDP2 with a shard > 1) casts each rank's fp32 shard in FSDP2's eager pre-gather
 # hook, every gather: a scale multiply, a clamp and a convert (4+4, 4+4, 4+1 = 21 B a parameter), in place of the
 # cast fused into the compiled linear (a bf16 read, its abs-max read, a float8 write: 5 B). From the kernels, not
@@ -175,8 +202,10 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     worst: dict[str, float] = {}
     for r in hot_ranks(shares):
         s = shares[r]
-        # --fp8: the block projections speed up (the router, a tiny share, is counted with them); the head stays bf16
-        linear = (s.linear_flops - s.head_flops) / FP8_LINEAR_SPEEDUP[plan.fp8] + s.head_flops
+        # --fp8: the block projections it converts speed up (the router, a tiny share, is counted with the rest); the
+        # head stays bf16
+        block, share = s.linear_flops - s.head_flops, fp8_share(a, plan.fp8)
+        linear = block * (share / FP8_LINEAR_SPEEDUP[plan.fp8] + 1 - share) + s.head_flops
         it = {
             "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim)),
             "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)
