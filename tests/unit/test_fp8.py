@@ -94,7 +94,7 @@ def test_fp8_experts_flag_refused_in_one_line(capsys, monkeypatch):
     assert fp8_experts_problem("rowwise", "cuda", (9, 0)) is None
 
 
-# ---- the routed experts' float8 grouped GEMM (models/fp8_grouped.py), emulated ---------------------------------------------
+# ---- the routed experts' float8 grouped GEMM (models/fp8_grouped.py), emulated -----------------------------------
 def test_rowwise_fp8_scales_are_powers_of_two_and_round_within_e4m3():
     from paraseek.models.fp8_grouped import E4M3_MAX, rowwise_fp8
 
@@ -237,7 +237,8 @@ def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):
     from paraseek.planner.cost import fp8_share
 
     monkeypatch.delenv("PARASEEK_FP8_EMULATE", raising=False)
-    for name in ("deepseek-llm-7b", "deepseek-v2-lite", "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b"):
+    for name in ("deepseek-llm-7b", "deepseek-v2-lite", "deepseek-r1-distill-llama-8b",
+                 "deepseek-r1-distill-qwen-1.5b"):
         args, _, _ = resolve_model(name)
         linears = [(n, m) for n, m in _named(name) if isinstance(m, torch.nn.Linear)
                    and n.split(".")[-2:-1] in (["self_attn"], ["mlp"], ["shared_experts"])]

@@ -252,7 +252,7 @@ def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, 
 class Experts(nn.Module):
     """E routed SwiGLU experts as stacked [E, out, in] weights (one per-expert nn.Linear each in the hub format)."""
 
-    # The GEMMs in float8 (--fp8; set by parallel.fp8.apply_fp8). A class attribute: expert parallelism's subclass
+    # The GEMMs in float8 (--fp8-experts on; set by parallel.fp8.apply_fp8). A class attribute: expert parallelism's subclass
     # is built without Experts.__init__.
     fp8: bool = False
 

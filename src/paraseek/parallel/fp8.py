@@ -14,8 +14,8 @@ scales, everything numerically delicate in higher precision. The recipes (torcha
 What is converted (`fp8_filter`): the nn.Linear of the attention and MLP projections (dense MLPs and shared
 experts) whose in and out features are multiples of 16, what the float8 GEMM (torch._scaled_mm) requires, and large
 enough for float8 to pay (`fp8_pays`: torchao's thresholds; on DeepSeek-LLM-7B every projection is, on V2-Lite under
-rowwise only the first, dense, layer's gate and up). The output head, the MoE router, the embedding and the norms are not nn.Linear projections of a
-block and stay in the training precision, as in DeepSeek-V3.
+rowwise only the first, dense, layer's gate and up). The output head, the MoE router, the embedding and the norms
+are not nn.Linear projections of a block and stay in the training precision, as in DeepSeek-V3.
 
 With `--fp8-experts on` the routed experts ([E, out, in] weights, one grouped GEMM per projection) run
 `fp8_grouped_mm` under any recipe: the forward and the input-gradient GEMMs in float8 with per-row scales
@@ -81,7 +81,8 @@ def fp8_experts_problem(recipe: str, device: str, capability: tuple[int, int] | 
     """Why `--fp8-experts on` cannot run here, or None: it adds the routed experts to a --fp8 recipe, and
     torch._scaled_grouped_mm's float8 kernels are Hopper's (sm90) only. CPU: the emulation of the tests."""
     if recipe == "off":
-        return "--fp8-experts on adds the routed experts to --fp8 RECIPE; give --fp8 tensorwise, rowwise or rowwise-gw-hp"
+        return ("--fp8-experts on adds the routed experts to --fp8 RECIPE; give --fp8 tensorwise, rowwise or "
+                "rowwise-gw-hp")
     if device == "cuda" and capability is not None and tuple(capability)[0] != 9:
         return (f"--fp8-experts needs a Hopper GPU (compute capability 9.x: the float8 grouped GEMM's kernels); this "
                 f"GPU has {capability[0]}.{capability[1]}; leave it out (the experts then train in bf16)")

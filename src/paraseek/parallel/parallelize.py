@@ -97,7 +97,7 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
-if hasattr(torch.ops.aten, "_scaled_grouped_mm"):  # the routed experts under --fp8 (fp8.py: fp8_grouped_mm)
+if hasattr(torch.ops.aten, "_scaled_grouped_mm"):  # the routed experts under --fp8-experts (models/fp8_grouped.py)
     _SAVE_OPS.add(torch.ops.aten._scaled_grouped_mm.default)
 
 

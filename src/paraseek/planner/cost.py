@@ -89,6 +89,12 @@ COMPILED_LOSS_TRAFFIC = 6.0
 FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.46, "rowwise": 1.14, "rowwise-gw-hp": 1.09}
 FP8 = 1  # bytes per param of a float8 all-gather
 
+# Tensorwise's float8 all-gather (FSDP2 with a shard > 1) casts each rank's fp32 shard in FSDP2's eager pre-gather
+# hook, every gather: a scale multiply, a clamp and a convert (4+4, 4+4, 4+1 = 21 B a parameter), in place of the
+# cast fused into the compiled linear (a bf16 read, its abs-max read, a float8 write: 5 B). From the kernels, not
+# fitted; on one rank it comes to 15.7 B measured (7B, call 19: 15,106 vs 16,530 tokens/s with and without it).
+FP8_GATHER_CAST_BYTES = 21 - 5
+
 
 def fp8_pays(recipe: str, k: int, n: int) -> bool:
     """Whether a float8 GEMM of in_features k and out_features n beats bf16 under `recipe`, casts included: torchao's
@@ -112,11 +118,7 @@ def fp8_share(a: ModelArgs, recipe: str) -> float:
     shapes = [(w.in_features, w.out_features) for w in adapted(a, LoRASpec(1, 1.0, targets))]
     paid = sum(k * n for k, n in shapes if k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n))
     return paid / sum(k * n for k, n in shapes)
-# Tensorwise's float8 all-gather (FSDP2 with a shard > 1) casts each rank's fp32 shard in FSDP2's eager pre-gather
-# hook, every gather: a scale multiply, a clamp and a convert (4+4, 4+4, 4+1 = 21 B a parameter), in place of the
-# cast fused into the compiled linear (a bf16 read, its abs-max read, a float8 write: 5 B). From the kernels, not
-# fitted; on one rank it comes to 15.7 B measured (7B, call 19: 15,106 vs 16,530 tokens/s with and without it).
-FP8_GATHER_CAST_BYTES = 21 - 5
+
 
 # Linear efficiency (Efficiency.linear, COMPILE_GEMM_GAIN) was fitted on 4096-wide models. A narrower model runs
 # its projections as GEMMs with a shorter reduction dimension K = dim (every forward projection but the MLP's
