@@ -25,29 +25,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _FP8, reason="needs a GPU 
 TOLERANCE = 0.03
 
 
-@pytest.fixture(scope="module")
-def init(tmp_path_factory) -> Path:
+def _cut(tmp_path_factory, preset: str, name: str) -> Path:
+    """`preset` cut to 2 layers, one seeded bf16 initialization saved as an HF folder."""
     from paraseek.models import build_model, save_pretrained
     from paraseek.models.args import ModelArgs, preset_config
 
-    path = tmp_path_factory.mktemp("fp8") / "ds7b-2l"
-    cfg = {**preset_config("deepseek-llm-7b"), "num_hidden_layers": 2}
+    path = tmp_path_factory.mktemp("fp8") / name
+    cfg = {**preset_config(preset), "num_hidden_layers": 2}
     torch.manual_seed(1234)
     save_pretrained(build_model(ModelArgs.from_hf_config(cfg), "cuda", torch.bfloat16), path)
     return path
+
+
+@pytest.fixture(scope="module")
+def init(tmp_path_factory) -> Path:
+    return _cut(tmp_path_factory, "deepseek-llm-7b", "ds7b-2l")
 
 
 @pytest.fixture(scope="module")
 def moe_init(tmp_path_factory) -> Path:
-    """DeepSeek-V2-Lite's widths cut to 2 layers: a dense one, then a MoE of 64 experts 1408 wide (top-6)."""
-    from paraseek.models import build_model, save_pretrained
-    from paraseek.models.args import ModelArgs, preset_config
-
-    path = tmp_path_factory.mktemp("fp8moe") / "v2lite-2l"
-    cfg = {**preset_config("deepseek-v2-lite"), "num_hidden_layers": 2}
-    torch.manual_seed(1234)
-    save_pretrained(build_model(ModelArgs.from_hf_config(cfg), "cuda", torch.bfloat16), path)
-    return path
+    """DeepSeek-V2-Lite's widths: a dense layer, then a MoE of 64 experts 1408 wide (top-6)."""
+    return _cut(tmp_path_factory, "deepseek-v2-lite", "v2lite-2l")
 
 
 def _tail_loss(tmp_path: Path, init: Path, name: str, *flags: str) -> float:
