@@ -43,8 +43,9 @@ Groups (each fits one 10-minute device call on 2x H200):
         garbage collector's time per step and gc.freeze on and off; with every Python thread of the training process
         sampled; under glibc malloc tunables. They ran before the launcher set GLIBC_TUNABLES: put
         GLIBC_TUNABLES= (empty, glibc's defaults) in a variant's env to see the slowdown again.
-  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2): bf16 vs --fp8 rowwise and tensorwise (the
-        attention and shared-expert projections; the routed experts stay bf16).
+  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2 and 4): bf16, --fp8 tensorwise (the projections
+        fp8_pays takes; experts bf16), and with --fp8-experts on.
+  fp8moeparity  fp8parity on the V2-Lite width cut to 4 layers, every fp8 run with --fp8-experts on.
 """
 
 from __future__ import annotations
@@ -534,22 +535,26 @@ def group_tp2compile(out: Path) -> list[dict]:
     return runs
 
 
-def fp8parity_run(out: Path, recipe: str, name: str = "") -> dict:
-    """One 500-step parity run (the 7B width cut to 4 layers, seq 2048, from one seeded bf16 initialization on the
-    bundled corpus) and the mean loss of its last 50 steps."""
-    init = folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True)
+def fp8parity_run(out: Path, recipe: str, name: str = "", moe: bool = False) -> dict:
+    """One 500-step parity run (the 7B width cut to 4 layers, or with `moe` the V2-Lite width cut to 4 layers and
+    --fp8-experts on, seq 2048, from one seeded bf16 initialization on the bundled corpus) and the mean loss of its
+    last 50 steps."""
+    init = (folder("v2lite4-init", "deepseek-v2-lite", 4, weights=True) if moe
+            else folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True))
     common = ["--init-from", init, "--data", CORPUS, "--seq-len", "2048", "--global-batch-size", "2",
               "--micro-batch-size", "2", "--steps", "500", "--lr", "3e-4", "--warmup-steps", "20",
               "--activation-checkpointing", "selective", "--compile", "--seed", "0"]
-    r = train_run(out, name or f"fp8parity-{recipe}", 1, [*common, "--fp8", recipe], timeout=300)
+    experts = ["--fp8-experts", "on"] if moe and recipe != "off" else []
+    r = train_run(out, name or f"fp8parity-{'moe-' if moe else ''}{recipe}", 1,
+                  [*common, "--fp8", recipe, *experts], timeout=300)
     tail = r["losses"][-50:]
     r["tail_loss"] = sum(tail) / len(tail) if tail else None
     r.pop("losses")
     return r
 
 
-def group_fp8parity(out: Path) -> list[dict]:
-    runs = [fp8parity_run(out, recipe)
+def group_fp8parity(out: Path, moe: bool = False) -> list[dict]:
+    runs = [fp8parity_run(out, recipe, moe=moe)
             for recipe in os.environ.get("PARITY_RECIPES", "off,tensorwise,rowwise,rowwise-gw-hp").split(",")]
     ref = runs[0]["tail_loss"]
     for r in runs[1:]:
@@ -729,10 +734,14 @@ def group_mallocvar(out: Path) -> list[dict]:
 
 def group_fp8moe(out: Path) -> list[dict]:
     v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
-    return [bench_run(f"v2lite-6l no-AC+compile mbs2, fp8 {recipe}", N,
-                      ["--model", v2, "--seq-len", "4096", "--micro-batch-size", "2", "--global-batch-size", str(2 * N),
-                       "--activation-checkpointing", "none", "--compile", "--fp8", recipe])
-            for recipe in ("off", "rowwise", "tensorwise")]
+    runs = []
+    for mbs in (2, 4):
+        for flags in (["--fp8", "off"], ["--fp8", "tensorwise"], ["--fp8", "tensorwise", "--fp8-experts", "on"]):
+            runs.append(bench_run(f"v2lite-6l no-AC+compile mbs{mbs}, {' '.join(flags)}", N,
+                                  ["--model", v2, "--seq-len", "4096", "--micro-batch-size", str(mbs),
+                                   "--global-batch-size", str(mbs * N), "--activation-checkpointing", "none",
+                                   "--compile", *flags]))
+    return runs
 
 
 def main() -> None:
@@ -756,7 +765,8 @@ def main() -> None:
               "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
               "tp2compile": group_tp2compile, "moehost": group_moehost, "coldwarm": group_coldwarm,
               "gccause": group_gccause, "hostsample": group_hostsample,
-              "mallocvar": group_mallocvar}.get(g)
+              "mallocvar": group_mallocvar,
+              "fp8moeparity": lambda out: group_fp8parity(out, moe=True)}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
         (out / "results.json").write_text(json.dumps(results, indent=1))
