@@ -89,13 +89,9 @@ def main() -> None:
                 r["loss_gap"] = (r["tail_loss"] - ref) / ref
         elif what.startswith("moe-"):
             v.ENV["PYTHONPATH"] = os.pathsep.join([variant_src(how), *base_path])
-            mbs = int(os.environ.get("FP8_PUSH_MOE_MBS", "2"))
-            r = v.bench_run(f"v2lite-6l mbs {mbs} fp8 {what.removeprefix('moe-')} [{how}]", v.N,
-                            ["--model", v.folder("v2lite6", "deepseek-v2-lite", 6, weights=False), "--seq-len", "4096",
-                             "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs * v.N),
-                             "--activation-checkpointing", "none", "--compile", "--fp8", what.removeprefix("moe-"),
-                             *(["--fp8-experts", "on"] if "experts" in how.split("+") else [])],
-                            timeout=240)
+            mbs, recipe = int(os.environ.get("FP8_PUSH_MOE_MBS", "2")), what.removeprefix("moe-")
+            experts = ["--fp8-experts", "on"] if "experts" in how.split("+") else []
+            r = v.v2lite6_bench(f"v2lite-6l mbs {mbs} fp8 {recipe} [{how}]", mbs, ["--fp8", recipe, *experts], 240)
         else:
             v.ENV["PYTHONPATH"] = os.pathsep.join([variant_src(how), *base_path])
             r = v.bench_run(f"7b fp8 {what} [{how}]", v.N, ["--model", "deepseek-llm-7b", *v.SEVEN_BEST,

@@ -732,16 +732,19 @@ def group_mallocvar(out: Path) -> list[dict]:
     return runs
 
 
-def group_fp8moe(out: Path) -> list[dict]:
+def v2lite6_bench(name: str, mbs: int, flags: list[str], timeout: int = 300) -> dict:
+    """`paraseek bench` of DeepSeek-V2-Lite cut to 6 layers (config only), seq 4096, micro-batch `mbs` on every GPU,
+    no checkpointing, compiled, with `flags` (the --fp8 ones)."""
     v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
-    runs = []
-    for mbs in (2, 4):
-        for flags in (["--fp8", "off"], ["--fp8", "tensorwise"], ["--fp8", "tensorwise", "--fp8-experts", "on"]):
-            runs.append(bench_run(f"v2lite-6l no-AC+compile mbs{mbs}, {' '.join(flags)}", N,
-                                  ["--model", v2, "--seq-len", "4096", "--micro-batch-size", str(mbs),
-                                   "--global-batch-size", str(mbs * N), "--activation-checkpointing", "none",
-                                   "--compile", *flags]))
-    return runs
+    return bench_run(name, N, ["--model", v2, "--seq-len", "4096", "--micro-batch-size", str(mbs),
+                               "--global-batch-size", str(mbs * N), "--activation-checkpointing", "none", "--compile",
+                               *flags], timeout)
+
+
+def group_fp8moe(out: Path) -> list[dict]:
+    return [v2lite6_bench(f"v2lite-6l no-AC+compile mbs{mbs}, {' '.join(flags)}", mbs, flags)
+            for mbs in (2, 4)
+            for flags in (["--fp8", "off"], ["--fp8", "tensorwise"], ["--fp8", "tensorwise", "--fp8-experts", "on"])]
 
 
 def main() -> None:

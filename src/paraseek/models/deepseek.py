@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraseek.models.args import ModelArgs
+from paraseek.models.fp8_grouped import fp8_grouped_mm, pad_groups
 
 
 class RMSNorm(nn.Module):
@@ -237,8 +238,6 @@ def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, 
     The fallback loops over experts (never over tokens) and is exact; it needs the counts on the host.
     fp8: the float8 grouped GEMM of --fp8-experts (models/fp8_grouped.py)."""
     if fp8:
-        from paraseek.models.fp8_grouped import fp8_grouped_mm
-
         return fp8_grouped_mm(x_MI, w_EOI, counts_E)
     if use_grouped is None:
         use_grouped = _use_grouped_mm(x_MI)
@@ -252,8 +251,8 @@ def grouped_mm(x_MI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, 
 class Experts(nn.Module):
     """E routed SwiGLU experts as stacked [E, out, in] weights (one per-expert nn.Linear each in the hub format)."""
 
-    # The GEMMs in float8 (--fp8-experts on; set by parallel.fp8.apply_fp8). A class attribute: expert parallelism's subclass
-    # is built without Experts.__init__.
+    # The GEMMs in float8 (--fp8-experts on; set by parallel.fp8.apply_fp8). A class attribute: expert
+    # parallelism's subclass is built without Experts.__init__.
     fp8: bool = False
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int):
@@ -264,8 +263,6 @@ class Experts(nn.Module):
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor, use_grouped: bool | None = None) -> torch.Tensor:
         if self.fp8:  # the float8 grouped GEMM takes groups of 16k rows: zero rows added once for all three GEMMs
-            from paraseek.models.fp8_grouped import pad_groups
-
             dest_M, counts_E, n_pad = pad_groups(counts_E, x_MD.shape[0])
             x_MD = x_MD.new_zeros(n_pad, x_MD.shape[1]).index_copy(0, dest_M, x_MD)
         h_MF = F.silu(self.project("gate_proj", x_MD, counts_E, use_grouped)) * self.project(

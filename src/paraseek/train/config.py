@@ -221,11 +221,12 @@ _HELP = {
     "fp8": "float8 training of the attention and MLP projections (torchao; paraseek[fp8]): tensorwise (fastest, "
            "float8 FSDP2 all-gather when sharded; on one H200 1.27x bf16 for a 7B, +0.1%% loss after 500 steps), "
            "rowwise (a scale per row: 1.09x, +3.1%%), rowwise-gw-hp (rowwise, weight gradients in high precision: "
-           "+1.7%%); the head, router, embedding and routed experts stay in --precision, and projections too small "
-           "for float8 to pay (torchao's thresholds: on V2-Lite nearly all under rowwise). Needs an Ada/Hopper GPU",
+           "+1.7%%); the head, router, embedding, routed experts (unless --fp8-experts on) and projections too "
+           "small for float8 to pay (torchao's thresholds: on V2-Lite nearly all under rowwise) stay in --precision. "
+           "Needs an Ada/Hopper GPU",
     "fp8_experts": "on: with --fp8, the routed experts' grouped GEMMs in float8 too (forward and input gradient, "
-                   "per-row scales; Hopper only). Pays on big micro-batches only: DeepSeek-V2-Lite's shape on one H200 ran "
-                   "0.95x bf16 at 8k tokens per micro-batch, 1.01x at 16k",
+                   "per-row scales; Hopper only). Not yet faster at DeepSeek-V2-Lite's widths: on one H200 0.95x "
+                   "bf16 at 8k tokens per micro-batch, 1.01x at 16k",
     "lora_targets": "what LoRA adapts, comma-separated: attention projections by name (q_proj, k_proj, v_proj, "
                     "o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), gate_proj/up_proj/down_proj (dense "
                     "MLPs), shared_experts, experts (routed, grouped), or attention, mlp, all (default: all)",
