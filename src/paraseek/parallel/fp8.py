@@ -22,8 +22,8 @@ With `--fp8-experts on` the routed experts ([E, out, in] weights, one grouped GE
 (torch._scaled_grouped_mm, Hopper only; each expert's rows padded to a multiple of 16), the weight-gradient GEMM in
 bf16, as rowwise-gw-hp does for the projections. Per-row, because that is the scaling the grouped GEMM takes; bf16
 weight gradients, because there each expert's token rows are the contraction (jagged per-group scales, a third
-quantization pass). Off by default: on DeepSeek-V2-Lite's shape it pays only from about 16k tokens per micro-batch
-(one H200: 0.95x bf16 at 8,192, 1.01x at 16,384; BENCHMARKS.md, FP8).
+quantization pass). Off by default: on DeepSeek-V2-Lite's shape it is not yet faster than bf16 (one H200: 0.95x at
+8,192 tokens per micro-batch, 1.01x at 16,384; the MoE layer alone 1.15x at 32,768; BENCHMARKS.md, FP8).
 
 On a GPU this needs float8 tensor cores (compute capability 8.9: Ada, Hopper and newer). On CPU it is refused,
 except for tests: PARASEEK_FP8_EMULATE=1 runs torchao's emulation (the same casts and scales, matmuls in high
