@@ -5,6 +5,7 @@ copy of the layer (same weights, same routing).
 
     python3 scripts/gpu/bench_fp8_experts.py [--tokens 8192,32768] [--modes eager,compiled] [--json FILE]
     python3 scripts/gpu/bench_fp8_experts.py --profile 8192    # the top CUDA kernels of each, compiled
+    python3 scripts/gpu/bench_fp8_experts.py --autotune ...    # inductor's max-autotune picks every GEMM's kernel
 
 One table: tokens, mode, bf16 ms, fp8 ms, fp8 speed-up; then the errors (||a - ref|| / ||ref||) of the output, the
 input gradient and the expert weight gradients, bf16 and fp8 side by side.
@@ -96,9 +97,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--json")
+    p.add_argument("--autotune", action="store_true",
+                   help="inductor's max_autotune_gemm on: each GEMM, grouped ones included (inductor's Triton "
+                        "grouped-GEMM templates against ATen's CUTLASS kernel), picked by timing")
     p.add_argument("--profile", type=int, default=0, metavar="TOKENS",
                    help="only profile 3 compiled fwd+bwd of bf16 and fp8 at TOKENS: the top CUDA kernels")
     a = p.parse_args()
+    if a.autotune:
+        import torch._inductor.config
+
+        torch._inductor.config.max_autotune_gemm = True
     if a.profile:
         return profile(a.profile)
     args = ModelArgs.from_hf_config(preset_config("deepseek-v2-lite"))

@@ -16,6 +16,8 @@ torchtitan_peer.sh ds7b, compiled, float8). Variants (joined with +):
          backward's rowwise scales and float8 values differ from those the forward used).
   experts  --fp8-experts on added to the run.
   allproj  every block projection in float8 whatever its size (main before fp8_pays).
+  autotune inductor's max_autotune_gemm on for the compiled blocks: every GEMM (the grouped ones included: inductor's
+         Triton grouped-GEMM templates against the ATen/CUTLASS kernel) picked by timing.
 
 Calls 2-4 of 2026-12-03 also ran variants since made main or dropped: the experts' float8 GEMMs with fast
 accumulation in the forward only, or in both (main: both), and --fp8 with the experts in bf16 (main's default).
@@ -48,6 +50,10 @@ PATCHES = {
              "    if recipe != 'tensorwise':\n        import torch._inductor.config\n\n"
              "        torch._inductor.config.emulate_precision_casts = True\n")],
     "allproj": [("parallel/fp8.py", "    if emulated():\n        return True\n", "    return True\n")],
+    "autotune": [("parallel/parallelize.py",
+                  "    for block in model.layers.values():\n        block.compile()\n",
+                  "    import torch._inductor.config\n\n    torch._inductor.config.max_autotune_gemm = True\n"
+                  "    for block in model.layers.values():\n        block.compile()\n")],
 }
 
 

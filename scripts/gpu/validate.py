@@ -45,7 +45,8 @@ Groups (each fits one 10-minute device call on 2x H200):
         GLIBC_TUNABLES= (empty, glibc's defaults) in a variant's env to see the slowdown again.
   fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2 and 4): bf16, --fp8 tensorwise (the projections
         fp8_pays takes; experts bf16), and with --fp8-experts on.
-  fp8moeparity  fp8parity on the V2-Lite width cut to 4 layers, every fp8 run with --fp8-experts on.
+  fp8moeparity  fp8parity on the V2-Lite width cut to 4 layers, every fp8 run with --fp8-experts on (PARITY_EXPERTS=off:
+                the routed experts in bf16).
 """
 
 from __future__ import annotations
@@ -537,14 +538,14 @@ def group_tp2compile(out: Path) -> list[dict]:
 
 def fp8parity_run(out: Path, recipe: str, name: str = "", moe: bool = False) -> dict:
     """One 500-step parity run (the 7B width cut to 4 layers, or with `moe` the V2-Lite width cut to 4 layers and
-    --fp8-experts on, seq 2048, from one seeded bf16 initialization on the bundled corpus) and the mean loss of its
+    --fp8-experts on, or PARITY_EXPERTS=off for the routed experts in bf16, seq 2048, from one seeded bf16 initialization on the bundled corpus) and the mean loss of its
     last 50 steps."""
     init = (folder("v2lite4-init", "deepseek-v2-lite", 4, weights=True) if moe
             else folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True))
     common = ["--init-from", init, "--data", CORPUS, "--seq-len", "2048", "--global-batch-size", "2",
               "--micro-batch-size", "2", "--steps", "500", "--lr", "3e-4", "--warmup-steps", "20",
               "--activation-checkpointing", "selective", "--compile", "--seed", "0"]
-    experts = ["--fp8-experts", "on"] if moe and recipe != "off" else []
+    experts = ["--fp8-experts", os.environ.get("PARITY_EXPERTS", "on")] if moe and recipe != "off" else []
     r = train_run(out, name or f"fp8parity-{'moe-' if moe else ''}{recipe}", 1,
                   [*common, "--fp8", recipe, *experts], timeout=300)
     tail = r["losses"][-50:]
