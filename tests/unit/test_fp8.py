@@ -62,8 +62,7 @@ def test_where_fp8_cannot_run(monkeypatch):
     assert "this GPU has 8.0" in fp8_problem("tensorwise", "cuda", (8, 0), one, lora=False)
     assert fp8_problem("tensorwise", "cuda", (9, 0), one, lora=False) is None
     assert fp8_problem("tensorwise", "cuda", (9, 0), ParallelDims(dp_replicate=2, dp_shard=2), lora=False) is None
-    assert "--fp8 with --tp is not supported yet" in fp8_problem("tensorwise", "cuda", (9, 0),
-                                                                 ParallelDims(tp=2), lora=False)
+    assert fp8_problem("tensorwise", "cuda", (9, 0), ParallelDims(tp=2), lora=False) is None
     assert fp8_problem("rowwise", "cuda", (9, 0), ParallelDims(pp=2, pp_schedule="1F1B"), lora=False) is None
     assert "--lora-rank" in fp8_problem("rowwise", "cuda", (9, 0), one, lora=True)
     assert "not with DDP" in fp8_problem("tensorwise", "cuda", (9, 0), ParallelDims(dp_replicate=2), lora=False)
@@ -197,6 +196,17 @@ def test_fp8_prices_the_block_projections_and_the_float8_all_gather():
     assert t["tensorwise"]["fsdp_comm"] < t["off"]["fsdp_comm"]
     assert t["rowwise"]["fsdp_comm"] == t["off"]["fsdp_comm"]
     assert FP8_LINEAR_SPEEDUP["tensorwise"] > FP8_LINEAR_SPEEDUP["rowwise"] > FP8_LINEAR_SPEEDUP["rowwise-gw-hp"] > 1
+
+
+def test_no_float8_all_gather_under_tensor_parallelism():
+    """With --tp the weights are cast inside each linear and FSDP2 gathers bf16 (parallelize.py): the tp-sharded
+    projections and MLA's replicated latent ones sit on different meshes, which torchao's one-pass scale precompute
+    cannot stack."""
+    from paraseek.planner.dims import ParallelDims, float8_all_gather
+
+    assert float8_all_gather(ParallelDims(dp_shard=2), "tensorwise")
+    assert not float8_all_gather(ParallelDims(dp_shard=2, tp=2), "tensorwise")
+    assert not float8_all_gather(ParallelDims(dp_shard=2), "rowwise")
 
 
 def test_the_float8_all_gather_and_its_eager_casts_only_where_there_is_a_gather():

@@ -22,8 +22,15 @@ With `--fp8-experts on` the routed experts ([E, out, in] weights, one grouped GE
 (torch._scaled_grouped_mm, Hopper only; each expert's rows padded to a multiple of 16), the weight-gradient GEMM in
 bf16, as rowwise-gw-hp does for the projections. Per-row, because that is the scaling the grouped GEMM takes; bf16
 weight gradients, because there each expert's token rows are the contraction (jagged per-group scales, a third
-quantization pass). Off by default: on DeepSeek-V2-Lite's shape it is not yet faster than bf16 (one H200: 0.95x at
-8,192 tokens per micro-batch, 1.01x at 16,384; the MoE layer alone 1.15x at 32,768; BENCHMARKS.md, FP8).
+quantization pass). Off by default, because it pays only on big micro-batches: the float8 grouped GEMM is slower
+than bf16's at a few hundred rows per expert. DeepSeek-V2-Lite cut to 6 layers on one H200 with --fp8 tensorwise:
+0.95x bf16 at 8,192 tokens per micro-batch (768 rows per expert), 1.01x at 16,384, 1.07x at 32,768 and 1.15x at
+65,536, with less memory (BENCHMARKS.md, FP8).
+
+Under --tp the float8 linears are made first and the TP styles shard them (parallel/parallelize.py); tensorwise
+then gathers bf16 weights (planner/dims.py: float8_all_gather says why). Under TP the step-1 loss equals one
+process's; the gradients differ slightly where a tensor is cast per rank before a sum over tp (MLA's replicated
+latent projections get partial output gradients; measured 4.6e-4 in the grad norm, tests/dist/test_fp8_training.py).
 
 On a GPU this needs float8 tensor cores (compute capability 8.9: Ada, Hopper and newer). On CPU it is refused,
 except for tests: PARASEEK_FP8_EMULATE=1 runs torchao's emulation (the same casts and scales, matmuls in high

@@ -4,9 +4,10 @@ part of the plan -- TorchTitan's order, each step before the ones that wrap what
     EP       routed experts sharded over the ep group (expert.py); first, as it replaces each MoE's experts module
     LoRA     the base frozen (stored in the compute dtype) and adapters added (models/lora.py), sharded over the ep
              group like the experts they adapt; before FSDP2, which then shards the adapters and their gradients
+    FP8      the block projections as torchao float8 linears (fp8.py); before TP, whose styles then shard the
+             float8 linears as they would nn.Linear (the filter sees the whole projections' shapes), and before AC,
+             compile and FSDP2, which then all-gathers their weights in float8 (tensorwise, without TP)
     TP       tensor + sequence parallelism over the tp group (tensor.py), on the plain blocks
-    FP8      the block projections as torchao float8 linears (fp8.py); before AC, compile and FSDP2, which then
-             all-gathers their weights in float8 (tensorwise)
     AC       activation checkpointing of each block (full or selective)
     compile  torch.compile of each block
     FSDP2    per block, then the root, over (dp_replicate, dp_shard) -- HSDP when dp_replicate > 1 -- with the EP
@@ -53,21 +54,21 @@ class Parallelized:
 def parallelize(model: Transformer, mesh: ParallelMesh, *, precision: str, activation_checkpointing: str = "none",
                 compile: bool = False, reshard_after_forward: bool = True, cpu_offload: bool = False,
                 lora: LoRASpec | None = None, fp8: str = "off", fp8_experts: bool = False) -> Parallelized:
-    """EP -> LoRA -> TP -> FP8 -> AC -> compile -> FSDP2 on `model` in place (see the module docstring)."""
+    """EP -> LoRA -> FP8 -> TP -> AC -> compile -> FSDP2 on `model` in place (see the module docstring)."""
     dims, done = mesh.dims, Parallelized()
     if mesh.ep is not None:
         apply_expert_parallel(model, mesh.ep)
     if lora is not None:
         apply_lora(model, lora, base_dtype=DTYPES[precision])
-    if mesh.tp is not None:
-        done.tp_partial = apply_tensor_parallel(model, mesh.tp, dims.sequence_parallel)
-        done.seq_shards = dims.tp if dims.sequence_parallel else 1
     if fp8 != "off":
         from paraseek.parallel.fp8 import apply_fp8
 
         gather = float8_all_gather(dims, fp8)
         apply_fp8(model, fp8, float8_all_gather=gather, experts=fp8_experts)
         done.fp8_precompute = gather
+    if mesh.tp is not None:
+        done.tp_partial = apply_tensor_parallel(model, mesh.tp, dims.sequence_parallel)
+        done.seq_shards = dims.tp if dims.sequence_parallel else 1
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)

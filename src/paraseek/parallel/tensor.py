@@ -33,8 +33,10 @@ The loss: inside `torch.distributed.tensor.parallel.loss_parallel()`, forward *a
 `F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")` on the vocab-sharded DTensor logits
 (labels a plain tensor, the same on every tp rank) returns a replicated DTensor scalar (train/optim.py:token_loss).
 
-Order: parallel/parallelize.py (EP -> TP -> activation checkpointing -> torch.compile -> FSDP2 on the dp sub-mesh of
-the same DeviceMesh, tp its innermost dim), on a model still on the meta device.
+Order: parallel/parallelize.py (EP -> float8 linears -> TP -> activation checkpointing -> torch.compile -> FSDP2 on
+the dp sub-mesh of the same DeviceMesh, tp its innermost dim), on a model still on the meta device. The styles shard
+torchao's float8 linears (--fp8) as they do nn.Linear, their weights DTensors; tensorwise scales are the whole
+tensor's (tests/dist/test_fp8_training.py: the dense model's step-1 loss and gradients equal one process's).
 """
 
 from __future__ import annotations

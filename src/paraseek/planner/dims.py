@@ -183,9 +183,8 @@ def _pp_problem(d: ParallelDims, args: ModelArgs, engine: bool, compile: bool, p
 def fp8_engine_problem(d: ParallelDims, lora: bool) -> str:
     """What `--fp8` does not compose with in the engine (yet): the CLI (parallel/fp8.py: fp8_problem) and the
     planner's ranking (Plan.problem) ask this one rule."""
-    for flag, on in (("--tp", d.tp > 1), ("--lora-rank", lora)):
-        if on:
-            return f"--fp8 with {flag} is not supported yet; leave one of them out"
+    if lora:
+        return "--fp8 with --lora-rank is not supported yet; leave one of them out"
     if d.ddp:
         return "--fp8 runs with FSDP2 (--dp-shard > 1 or one process), not with DDP (--dp-shard 1 over replicas)"
     return ""
@@ -194,8 +193,10 @@ def fp8_engine_problem(d: ParallelDims, lora: bool) -> str:
 def float8_all_gather(d: ParallelDims, fp8: str) -> bool:
     """Whether FSDP2 all-gathers the block projections in float8 (parallel/parallelize.py does, planner/cost.py
     prices it): tensorwise where the parameters are sharded. With one shard the "all-gather" is a local copy, and
-    the weights' casts run fused inside the compiled linears instead (9% faster on one H200: BENCHMARKS.md, FP8)."""
-    return fp8 == "tensorwise" and not d.ddp and d.dp_shard > 1
+    the weights' casts run fused inside the compiled linears instead (9% faster on one H200: BENCHMARKS.md, FP8).
+    Not under TP: the tp-sharded projections and MLA's replicated latent ones live on different meshes, and
+    torchao's one-pass scale precompute (fp8.precompute_scales) stacks every float8 weight's abs-max together."""
+    return fp8 == "tensorwise" and not d.ddp and d.dp_shard > 1 and d.tp == 1
 
 
 def _engine_problem(d: ParallelDims, cpu_offload: bool) -> str:
