@@ -538,8 +538,8 @@ def group_tp2compile(out: Path) -> list[dict]:
 
 def fp8parity_run(out: Path, recipe: str, name: str = "", moe: bool = False) -> dict:
     """One 500-step parity run (the 7B width cut to 4 layers, or with `moe` the V2-Lite width cut to 4 layers and
-    --fp8-experts on, or PARITY_EXPERTS=off for the routed experts in bf16, seq 2048, from one seeded bf16 initialization on the bundled corpus) and the mean loss of its
-    last 50 steps."""
+    --fp8-experts on, or PARITY_EXPERTS=off for the routed experts in bf16; seq 2048, from one seeded bf16
+    initialization on the bundled corpus) and the mean loss of its last 50 steps."""
     init = (folder("v2lite4-init", "deepseek-v2-lite", 4, weights=True) if moe
             else folder("ds7b4-init", "deepseek-llm-7b", 4, weights=True))
     common = ["--init-from", init, "--data", CORPUS, "--seq-len", "2048", "--global-batch-size", "2",

@@ -225,10 +225,10 @@ _HELP = {
            "small for float8 to pay (torchao's thresholds: on V2-Lite nearly all under rowwise) stay in --precision. "
            "Needs an Ada/Hopper GPU",
     "fp8_experts": "on: with --fp8, the routed experts' grouped GEMMs in float8 too (forward and input gradient, "
-                   "per-row scales; Hopper only). Pays on big micro-batches: DeepSeek-V2-Lite (6 layers, one H200) with "
-                   "--fp8 tensorwise ran 0.95x bf16 at 8k tokens per micro-batch, 1.01x at 16k, 1.07x at 32k and "
-                   "1.15x at 64k (less memory); 500-step loss vs bf16: tensorwise -0.8%% (means of 2 and 3 runs, which "
-                   "themselves vary by 3.7%%), rowwise +7.6%% (one run)",
+                   "per-row scales; Hopper only). Pays on big micro-batches: DeepSeek-V2-Lite (6 layers, one H200) "
+                   "with --fp8 tensorwise ran 0.95x bf16 at 8k tokens per micro-batch, 1.01x at 16k, 1.07x at 32k "
+                   "and 1.15x at 64k (less memory); 500-step loss vs bf16: tensorwise -0.8%% (means of 2 and 3 runs, "
+                   "which themselves vary by 3.7%%), rowwise +7.6%% (one run)",
     "lora_targets": "what LoRA adapts, comma-separated: attention projections by name (q_proj, k_proj, v_proj, "
                     "o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), gate_proj/up_proj/down_proj (dense "
                     "MLPs), shared_experts, experts (routed, grouped), or attention, mlp, all (default: all)",
