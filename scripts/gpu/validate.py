@@ -32,7 +32,8 @@ Groups (each fits one 10-minute device call on 2x H200):
   fp8parity  500 steps (seq 2048) of the 7B width cut to 4 layers from one seeded bf16 initialization on the bundled corpus,
         bf16 vs each recipe: the curves (JSONL under --out) and the gap of the last 50 steps' mean loss
         (PARITY_RECIPES=off,tensorwise for fewer; bf16 first).
-  tp2compile  the 7B width cut to 4 layers on all GPUs: FSDP2 vs tp=N, eager and compiled (issue #19's TP item).
+  tp2compile  the 7B width cut to 4 layers on all GPUs: FSDP2 vs tp=N, eager, compiled and compiled with --fp8
+        tensorwise (issue #19's TP item).
   moehost  issue #17's missed out-of-sample run (V2-Lite cut to 12 layers, mbs 1, compiled, no AC: 0.30-0.36 s
         measured, 0.23 predicted, as with selective AC): none with a cold and then a warm compile cache, selective,
         none with Python's GC off; per-step times, graph breaks and recompiles, and what the host was in while the
@@ -523,14 +524,15 @@ def group_fp8llama(out: Path) -> list[dict]:
 
 
 def group_tp2compile(out: Path) -> list[dict]:
-    """Issue #19's TP item on 2 GPUs: the 7B width cut to 4 layers, FSDP2 over both vs tp=2, each eager and compiled
-    (selective checkpointing, micro-batch 2, seq 4096): tokens/s/GPU side by side."""
+    """Issue #19's TP item on 2 GPUs: the 7B width cut to 4 layers, FSDP2 over both vs tp=2, each eager, compiled,
+    and compiled with --fp8 tensorwise (FSDP2's float8 all-gather; under tp bf16 gathers and float8 linears sharded
+    by the TP styles), selective checkpointing, micro-batch 2, seq 4096: tokens/s/GPU side by side."""
     cut = folder("ds7b4", "deepseek-llm-7b", 4, weights=False)
     runs = []
-    for compile_flag in ([], ["--compile"]):
-        tag = "compiled" if compile_flag else "eager"
+    for tag, flags in (("eager", []), ("compiled", ["--compile"]),
+                       ("compiled fp8 tensorwise", ["--compile", "--fp8", "tensorwise"])):
         common = ["--model", cut, "--seq-len", "4096", "--micro-batch-size", "2", "--activation-checkpointing",
-                  "selective", *compile_flag]
+                  "selective", *flags]
         runs.append(bench_run(f"7b-4l fsdp2 x{N} {tag}", N, [*common, "--global-batch-size", str(2 * N)]))
         runs.append(bench_run(f"7b-4l tp{N} {tag}", N, [*common, "--global-batch-size", "2", "--tp", str(N)]))
     return runs
