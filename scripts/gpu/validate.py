@@ -44,8 +44,9 @@ Groups (each fits one 10-minute device call on 2x H200):
         garbage collector's time per step and gc.freeze on and off; with every Python thread of the training process
         sampled; under glibc malloc tunables. They ran before the launcher set GLIBC_TUNABLES: put
         GLIBC_TUNABLES= (empty, glibc's defaults) in a variant's env to see the slowdown again.
-  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2 and 4): bf16, --fp8 tensorwise (the projections
-        fp8_pays takes; experts bf16), and with --fp8-experts on.
+  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2 and 4, or FP8MOE_MBS=8,16): bf16, --fp8
+        tensorwise (the projections fp8_pays takes; experts bf16), and with --fp8-experts on. The tensorwise-only
+        runs at mbs 4-16 are what a planner term for --fp8-experts needs (docs/planner.md, FP8).
   fp8moeparity  fp8parity on the V2-Lite width cut to 4 layers, every fp8 run with --fp8-experts on (PARITY_EXPERTS=off:
                 the routed experts in bf16).
 """
@@ -746,7 +747,7 @@ def v2lite6_bench(name: str, mbs: int, flags: list[str], timeout: int = 300) -> 
 
 def group_fp8moe(out: Path) -> list[dict]:
     return [v2lite6_bench(f"v2lite-6l no-AC+compile mbs{mbs}, {' '.join(flags)}", mbs, flags)
-            for mbs in (2, 4)
+            for mbs in map(int, os.environ.get("FP8MOE_MBS", "2,4").split(","))
             for flags in (["--fp8", "off"], ["--fp8", "tensorwise"], ["--fp8", "tensorwise", "--fp8-experts", "on"])]
 
 
