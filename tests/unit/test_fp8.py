@@ -1,5 +1,7 @@
 """--fp8's rules before launch, and the filter that says which linears become float8 (parallel/fp8.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,7 +88,7 @@ def test_fp8_experts_flag_refused_in_one_line(capsys, monkeypatch):
         assert main(["train", "--device", "cpu", "--nproc", "1", "--steps", "1", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert want in err and len(err.splitlines()) == 1, err
-    from paraseek.parallel.fp8 import fp8_experts_problem
+    from paraseek.planner.dims import fp8_experts_problem
 
     assert "needs a Hopper GPU" in fp8_experts_problem("tensorwise", "cuda", (8, 9))
     assert "this GPU has 10.0" in fp8_experts_problem("tensorwise", "cuda", (10, 0))
@@ -239,6 +241,32 @@ def test_the_search_keeps_fp8_and_refuses_it_without_float8_cores():
     assert TrainConfig(model="deepseek-llm-7b", fp8="tensorwise").to_plan().fp8 == "tensorwise"
     with pytest.raises(UserError, match="A100-80GB has no float8 tensor cores"):
         search(args, make_cluster("A100-80GB", 8), 4096, 64, fp8="tensorwise")
+
+
+def test_the_float8_experts_term_against_its_formula_and_the_measured_break_even():
+    """--fp8-experts: the routed experts' forward and input gradient (two of their three GEMM passes) at the float8
+    grouped GEMM's rate relative to bf16's, FP8_GROUPED_SPEEDUP x (rows + 450) / (rows + FP8_GROUPED_HALF_ROWS),
+    computed here by hand from the bf16 term; nothing else in the step moves. It is slower than bf16 at 768 rows
+    per expert (V2-Lite at micro-batch 2: measured 0.96x the tensorwise step) and faster from 3,072 (1.05x)."""
+    from paraseek.planner import Plan, make_cluster
+    from paraseek.planner.cost import (FP8_GROUPED_HALF_ROWS, FP8_GROUPED_SPEEDUP, GROUPED_HALF_ROWS,
+                                       MOE_LAYER_OVERHEAD_S, step_time)
+    from paraseek.planner.memory import model_terms
+
+    args = dataclasses.replace(resolve_model("deepseek-v2-lite")[0], n_layers=6)
+    n_moe = args.n_layers - args.first_k_dense_replace
+    for mbs, faster in ((2, False), (8, True), (16, True)):
+        rows = mbs * 4096 * args.n_activated_experts / args.n_routed_experts  # 768, 3,072, 6,144
+        bf16, fp8 = (step_time(model_terms(args, 4096), make_cluster("H200", 1),
+                               Plan(micro_batch_size=mbs, compile=True, fp8="tensorwise", fp8_experts=on), mbs).items
+                     for on in (False, True))
+        gemm = bf16["compute_experts"] - n_moe * MOE_LAYER_OVERHEAD_S  # the routing kernels stay
+        rate = FP8_GROUPED_SPEEDUP * (rows + GROUPED_HALF_ROWS) / (rows + FP8_GROUPED_HALF_ROWS)
+        assert fp8["compute_experts"] - bf16["compute_experts"] == pytest.approx(gemm * 2 / 3 * (1 / rate - 1),
+                                                                                rel=1e-9)
+        assert (fp8["compute_experts"] < bf16["compute_experts"]) == faster, mbs
+        assert {k: v for k, v in fp8.items() if k != "compute_experts"} == {
+            k: v for k, v in bf16.items() if k != "compute_experts"}
 
 
 def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):

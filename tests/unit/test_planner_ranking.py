@@ -203,6 +203,40 @@ def test_fp8_plans_are_only_ones_train_accepts(recipe, monkeypatch):
     assert any(p["tp"] > 1 for p in plans)
 
 
+def test_fp8_expert_plans_are_priced_ranked_and_accepted_by_train(monkeypatch):
+    """`plan --fp8 tensorwise --fp8-experts on` on a MoE model: every plan carries the flag and is faster than the
+    same plan with the experts in bf16 at these rows per expert; train accepts each printed command. Refused in one
+    line without --fp8, on a GPU type that is not Hopper, and on a model without routed experts."""
+    import torch
+
+    from paraseek.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))  # an H200's; a CPU has none
+    common = ("--model", "deepseek-v2-lite", "--gpus", "4", "--gpu-type", "H200", "--global-batch-size", "32",
+              "--fp8", "tensorwise", "--json")
+    rc, out = run_plan_cli(*common, "--fp8-experts", "on")
+    plans = json.loads(out)["plans"]
+    assert rc == 0 and plans
+    for p in plans:
+        assert "--fp8-experts on" in p["command"]
+        train_accepts(p["command"])
+    args, c = model("deepseek-v2-lite"), make_cluster("H200", 4)
+    ranked = search(args, c, 4096, 32, engine_only=True, fp8="tensorwise", fp8_experts=True).plans
+    for p, e in zip(plans, ranked):
+        assert all(flag in p["command"] for flag in e.plan.flags())
+    for e in ranked:
+        # rows per expert = 4096 x mbs x ep x 6 / 64; from 1,536 (mbs x ep = 4) on, past the fitted break-even near
+        # 1,480, the float8 grouped GEMM is faster than bf16's; at 768 (mbs 2, no ep) slower
+        bf16 = evaluate(args, c, e.plan.replace(fp8_experts=False), 4096, 32)
+        assert (e.tokens_per_s_per_gpu > bf16.tokens_per_s_per_gpu) == (e.plan.micro_batch_size * e.plan.ep >= 4)
+    with pytest.raises(UserError, match="--fp8-experts needs a Hopper GPU"):
+        search(args, make_cluster("L40S", 4), 4096, 16, fp8="tensorwise", fp8_experts=True)
+    with pytest.raises(UserError, match="give --fp8 tensorwise"):
+        search(args, make_cluster("H200", 4), 4096, 16, fp8_experts=True)
+    with pytest.raises(UserError, match="has no routed experts"):
+        search(model("deepseek-llm-7b"), make_cluster("H200", 4), 4096, 16, fp8="tensorwise", fp8_experts=True)
+
+
 def test_the_67b_case_falls_with_flat_sharding_across_nodes_and_recovers_with_hsdp():
     """The seed's case (DeepSeek-LLM-67B on 4, 8, 16 A100-80GB, 8 per node: efficiency 82% -> 53% at 16 GPUs, 78%
     with hierarchical all-reduce). On a network with a small NIC share per GPU (1.5 GB/s: one 100 Gb/s NIC for 8

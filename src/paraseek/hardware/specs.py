@@ -24,16 +24,19 @@ class GPUSpec:
     host_memory_gib: float  # typical host memory of a node of these GPUs (for offload planning)
     has_bf16: bool = True
     has_fp8: bool = False  # float8 tensor cores (compute capability 8.9+: Ada, Hopper): --fp8 runs
+    hopper: bool = False  # compute capability 9.0: torch._scaled_grouped_mm's float8 kernels, --fp8-experts runs
 
 
 GPU_SPECS: dict[str, GPUSpec] = {
     s.name: s
     for s in [
-        GPUSpec("H100", 79.6, 989.0, 989.0, 3350, 450, 64, 2048, has_fp8=True),  # H100 SXM5, NVLink4 18 links
-        GPUSpec("H100-PCIe", 79.6, 756.0, 756.0, 2000, 0, 64, 1024, has_fp8=True),
-        GPUSpec("H200", 140.4, 989.0, 989.0, 4800, 450, 64, 2048, has_fp8=True),
-        GPUSpec("H800", 79.6, 989.0, 989.0, 3350, 200, 64, 2048, has_fp8=True),  # export variant: NVLink 400 GB/s bidirectional
-        GPUSpec("H20", 95.6, 148.0, 148.0, 4000, 450, 64, 2048, has_fp8=True),
+        # H100 SXM5, NVLink4 18 links
+        GPUSpec("H100", 79.6, 989.0, 989.0, 3350, 450, 64, 2048, has_fp8=True, hopper=True),
+        GPUSpec("H100-PCIe", 79.6, 756.0, 756.0, 2000, 0, 64, 1024, has_fp8=True, hopper=True),
+        GPUSpec("H200", 140.4, 989.0, 989.0, 4800, 450, 64, 2048, has_fp8=True, hopper=True),
+        # export variant: NVLink 400 GB/s bidirectional
+        GPUSpec("H800", 79.6, 989.0, 989.0, 3350, 200, 64, 2048, has_fp8=True, hopper=True),
+        GPUSpec("H20", 95.6, 148.0, 148.0, 4000, 450, 64, 2048, has_fp8=True, hopper=True),
         GPUSpec("A100-40GB", 39.4, 312.0, 312.0, 1555, 300, 32, 1024),
         # DGX A100 640GB: 8 x A100-80GB with 2 TB of system memory (the 320GB model, of 40GB cards: 1 TB)
         GPUSpec("A100-80GB", 79.1, 312.0, 312.0, 2039, 300, 32, 2048),

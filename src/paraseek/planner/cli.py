@@ -43,6 +43,10 @@ def register(subparsers) -> None:
     p.add_argument("--fp8", default="off", choices=("off", "tensorwise", "rowwise", "rowwise-gw-hp"),
                    help="train plans with `paraseek train --fp8 RECIPE`: the block projections' GEMMs in float8 and, "
                    "tensorwise, their FSDP2 all-gather (default off; never chosen by the search)")
+    p.add_argument("--fp8-experts", default="off", choices=("off", "on"),
+                   help="with --fp8: plans with `paraseek train --fp8-experts on`, the routed experts' grouped GEMMs "
+                   "in float8 too (Hopper; slower than bf16 below ~1,500 tokens routed to each expert per "
+                   "micro-batch, up to 1.7x the experts' GEMM rate with many; default off)")
     p.add_argument("--doc-mask", action="store_true",
                    help="price packed rows with document masks (chat fine-tuning: per-token RoPE tables, positions "
                    "and FlexAttention's block mask per micro-batch)")
@@ -122,7 +126,7 @@ def run_plan(ns: argparse.Namespace) -> int:
     if ns.scaling:
         rows = scaling(args, cluster, _counts(ns.scaling), ns.seq_len, ns.global_batch_size, ns.model,
                        weak=not ns.strong, engine_only=not ns.all_dims, compile=compile, document_mask=ns.doc_mask,
-                       fp8=ns.fp8)
+                       fp8=ns.fp8, fp8_experts=ns.fp8_experts == "on")
         if ns.plot:
             report.plot_scaling(rows, ns.plot, f"{ns.model} on {cluster.gpu.name}, seq {ns.seq_len}, "
                                 f"global batch {ns.global_batch_size} (predicted)")
@@ -135,7 +139,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         return 0
 
     res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model, engine_only=not ns.all_dims,
-                 compile=compile, document_mask=ns.doc_mask, fp8=ns.fp8)
+                 compile=compile, document_mask=ns.doc_mask, fp8=ns.fp8, fp8_experts=ns.fp8_experts == "on")
     if ns.json:
         print(json.dumps(report.search_json(res, ns.top), indent=2))
     else:

@@ -88,6 +88,14 @@ COMPILED_LOSS_TRAFFIC = 6.0
 # docs/planner.md, "FP8"); rowwise-gw-hp keeps the weight-gradient third in bf16: 1 / (2/3 / 1.142 + 1/3), derived.
 FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.46, "rowwise": 1.14, "rowwise-gw-hp": 1.09}
 FP8 = 1  # bytes per param of a float8 all-gather
+# --fp8-experts: the routed experts' forward and input-gradient GEMMs in float8 (torch._scaled_grouped_mm, rowwise
+# scales; the weight gradient stays bf16), the quantizing kernels included. Their rate against bf16's grouped GEMM at
+# the same rows: FP8_GROUPED_SPEEDUP x (rows + GROUPED_HALF_ROWS) / (rows + FP8_GROUPED_HALF_ROWS), slower below
+# ~1,500 rows per expert and up to 1.72x with many. Fitted on DeepSeek-V2-Lite cut to 6 layers on one H200
+# (compiled, no checkpointing, seq 4096, micro-batch 2-16 = 768-6,144 rows), the step-time ratio of `--fp8
+# tensorwise --fp8-experts on` to `--fp8 tensorwise` (calls 33-42 of 2026-12-03; docs/planner.md, "FP8").
+FP8_GROUPED_SPEEDUP = 1.72
+FP8_GROUPED_HALF_ROWS = 1840
 
 # Tensorwise's float8 all-gather (FSDP2 with a shard > 1) casts each rank's fp32 shard in FSDP2's eager pre-gather
 # hook, every gather: a scale multiply, a clamp and a convert (4+4, 4+4, 4+1 = 21 B a parameter), in place of the
@@ -200,6 +208,12 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     # routes only its T / tp tokens to its whole replicated experts): small GEMMs are inefficient.
     rows = tokens / tp * ep * a.n_activated_experts / max(a.n_routed_experts, 1)
     grouped_eff = eff.grouped * rows / (rows + GROUPED_HALF_ROWS) if rows else 1.0
+    # In units of the experts' bf16 forward+backward: --fp8-experts runs the forward (and its recompute) and the
+    # input gradient, all but the weight-gradient third, at the float8 grouped GEMM's relative rate.
+    expert_passes = recompute
+    if plan.fp8_experts and rows:
+        fp8_rate = FP8_GROUPED_SPEEDUP * (rows + GROUPED_HALF_ROWS) / (rows + FP8_GROUPED_HALF_ROWS)
+        expert_passes = 1 / 3 + (recompute - 1 / 3) / fp8_rate
     # The slowest pp rank's micro-batch.
     worst: dict[str, float] = {}
     for r in hot_ranks(shares):
@@ -210,7 +224,7 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         linear = block * (share / FP8_LINEAR_SPEEDUP[plan.fp8] + 1 - share) + s.head_flops
         it = {
             "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim)),
-            "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * recompute / (rate * grouped_eff * gemm)
+            "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * expert_passes / (rate * grouped_eff * gemm)
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
             "compute_elementwise": (tokens * s.elem_bytes * elem_traffic * (4 / 3 if full or sel else 1.0)

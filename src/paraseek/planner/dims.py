@@ -190,6 +190,18 @@ def fp8_engine_problem(d: ParallelDims, lora: bool) -> str:
     return ""
 
 
+def fp8_experts_problem(recipe: str, device: str, capability: tuple[int, int] | None) -> str | None:
+    """Why `--fp8-experts on` cannot run here, or None: it adds the routed experts to a --fp8 recipe, and
+    torch._scaled_grouped_mm's float8 kernels are Hopper's (sm90) only. CPU: the emulation of the tests."""
+    if recipe == "off":
+        return ("--fp8-experts on adds the routed experts to --fp8 RECIPE; give --fp8 tensorwise, rowwise or "
+                "rowwise-gw-hp")
+    if device == "cuda" and capability is not None and tuple(capability)[0] != 9:
+        return (f"--fp8-experts needs a Hopper GPU (compute capability 9.x: the float8 grouped GEMM's kernels); this "
+                f"GPU has {capability[0]}.{capability[1]}; leave it out (the experts then train in bf16)")
+    return None
+
+
 def float8_all_gather(d: ParallelDims, fp8: str) -> bool:
     """Whether FSDP2 all-gathers the block projections in float8 (parallel/parallelize.py does, planner/cost.py
     prices it): tensorwise where the parameters are sharded. With one shard the "all-gather" is a local copy, and

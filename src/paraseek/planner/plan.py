@@ -34,6 +34,7 @@ class Plan(ParallelDims):
     # --fp8 (parallel/fp8.py): the block projections' GEMMs in float8, and under tensorwise their FSDP2 all-gather.
     # The user's choice, as the data's document masks: numerics change, so the search never picks it.
     fp8: str = "off"
+    fp8_experts: bool = False  # --fp8-experts on: the routed experts' grouped GEMMs in float8 too (with fp8)
     # --lora-rank (models/lora.py): the base frozen in the compute dtype, only the adapters trained. The user's
     # choice of what to train, so the search never picks it; it prices the run's model states, not a new plan.
     lora: LoRASpec | None = None
@@ -82,6 +83,7 @@ class Plan(ParallelDims):
         out += ["--compile"] if self.compile else []
         out += ["--precision fp16"] if self.precision == "fp16" else []
         out += [f"--fp8 {self.fp8}"] if self.fp8 != "off" else []
+        out += ["--fp8-experts on"] if self.fp8_experts else []
         # Pipelining keeps parameters gathered anyway, and DDP has nothing to reshard.
         if self.pp == 1 and self.dp_shard > 1 and not self.reshard_after_forward:
             out.append("--reshard-after-forward false")

@@ -19,7 +19,7 @@ from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs
 from paraseek.models.lora_spec import LoRASpec
 from paraseek.planner.cost import StepTime, step_time
-from paraseek.planner.dims import ParallelDims
+from paraseek.planner.dims import ParallelDims, fp8_experts_problem
 from paraseek.planner.memory import GiB, Memory, memory, model_terms
 from paraseek.planner.plan import AC_MODES, Cluster, Plan
 
@@ -208,16 +208,22 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
            engine_only: bool = False, compile: bool | None = None, document_mask: bool = False,
-           fp8: str = "off", lora: LoRASpec | None = None) -> SearchResult:
+           fp8: str = "off", fp8_experts: bool = False, lora: LoRASpec | None = None) -> SearchResult:
     """Every mesh of c.n_gpus GPUs, its best variant, ranked by memory headroom, then predicted tokens/s per GPU.
     engine_only ranks only what `paraseek train` runs (ParallelDims.problem with the engine's rules, the same check
     the CLI makes before a launch); without it the planner also prices the compositions the engine does not run, and
     ZBVZeroBubble. compile: None = compiled wherever the engine compiles, True / False = only compiled / eager.
     `document_mask`: the data is packed with document masks (Plan.document_mask); `fp8`: every plan with this --fp8
-    recipe (Plan.fp8), refused on a GPU type without float8 tensor cores; `lora`: every plan trains these adapters
+    recipe (Plan.fp8), refused on a GPU type without float8 tensor cores; `fp8_experts`: with it, the routed experts
+    in float8 too (Plan.fp8_experts; Hopper GPU types, MoE models); `lora`: every plan trains these adapters
     on a frozen base (Plan.lora), which the engine runs without tp or pp."""
     if fp8 != "off" and not c.gpu.has_fp8:
         raise UserError(f"--fp8: {c.gpu.name} has no float8 tensor cores (Ada and Hopper GPUs do); plan without it")
+    if fp8_experts:
+        capability = (9, 0) if c.gpu.hopper else (8, 9)  # past the has_fp8 check: Hopper (9.0) or Ada (8.9)
+        if why := (fp8_experts_problem(fp8, "cuda", capability)
+                   or ("" if args.n_routed_experts else "--fp8-experts on: this model has no routed experts")):
+            raise UserError(why)
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
     if global_batch_size <= 0:
@@ -257,7 +263,7 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 eps = [e for e in divisors(dp_shard) if args.n_routed_experts % e == 0] if moe else [1]
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,
-                                document_mask=document_mask, fp8=fp8, lora=lora)
+                                document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts, lora=lora)
                     best, closest, n, why_not = _best_of_mesh(args, c, base, seq_len, global_batch_size, engine_only,
                                                               compile)
                     res.evaluated += n
@@ -276,11 +282,11 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
 
 def best_plan(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int,
               compile: bool | None = None, document_mask: bool = False, fp8: str = "off",
-              lora: LoRASpec | None = None) -> Evaluated:
+              fp8_experts: bool = False, lora: LoRASpec | None = None) -> Evaluated:
     """The first plan of the ranking that the engine runs (what `paraseek train --plan auto` runs): with memory
     headroom if any, the predicted-fastest. Raises UserError with the closest miss's reason when nothing fits."""
     res = search(args, c, seq_len, global_batch_size, engine_only=True, compile=compile,
-                 document_mask=document_mask, fp8=fp8, lora=lora)
+                 document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts, lora=lora)
     if not res.plans:
         why = res.rejected[0].reason if res.rejected else "no mesh is possible"
         raise UserError(f"no parallel plan fits {c.n_gpus} x {c.gpu.name}: closest: {why}")
@@ -381,7 +387,8 @@ def _above_100_reason(base: ScalingRow, row: ScalingRow, e: Evaluated) -> str:
 
 def scaling(args: ModelArgs, c: Cluster, counts: list[int], seq_len: int, global_batch_size: int,
             model: str = "", weak: bool = True, engine_only: bool = True,
-            compile: bool | None = None, document_mask: bool = False, fp8: str = "off") -> list[ScalingRow]:
+            compile: bool | None = None, document_mask: bool = False, fp8: str = "off",
+            fp8_experts: bool = False) -> list[ScalingRow]:
     """The first-ranked plan at each GPU count, same model and node shape, ranked as `paraseek plan` ranks (only what
     `paraseek train` runs unless engine_only=False). weak: the per-GPU batch of the first count stays fixed (the
     global batch grows with the GPUs, as `paraseek bench --scaling` measures); else the global batch is fixed
@@ -403,7 +410,7 @@ def scaling(args: ModelArgs, c: Cluster, counts: list[int], seq_len: int, global
         cn = c.with_gpus(n)
         try:
             res = search(args, cn, seq_len, gbs, model, engine_only=engine_only, compile=compile,
-                         document_mask=document_mask, fp8=fp8)
+                         document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts)
         except UserError as e:  # e.g. the batch cannot be divided at this count: a row, not the end
             rows.append(ScalingRow(n, None, None, gbs, reason=str(e)))
             continue

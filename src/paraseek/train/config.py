@@ -122,7 +122,8 @@ class TrainConfig:
                     activation_checkpointing=self.activation_checkpointing, cpu_offload=self.cpu_offload,
                     reshard_after_forward=self.reshard_after_forward, compile=self.compile,
                     precision="fp16" if self.precision == "fp16" else "bf16",
-                    document_mask=self.doc_mask == "true", fp8=self.fp8, lora=lora)
+                    document_mask=self.doc_mask == "true", fp8=self.fp8,
+                    fp8_experts=self.fp8_experts == "on", lora=lora)
 
     def lora_for(self, args):
         """The run's LoRASpec (models/lora_spec.py) on the model `args`; None without --lora-rank."""
@@ -470,7 +471,8 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
     check_lora(cfg, args)
     _validate_data_flags(cfg)
     if cfg.fp8 != "off" or cfg.fp8_experts == "on":
-        from paraseek.parallel.fp8 import fp8_experts_problem, fp8_problem
+        from paraseek.parallel.fp8 import fp8_problem
+        from paraseek.planner.dims import fp8_experts_problem
 
         capability = None
         if cfg.device == "cuda" and cuda_available:

@@ -190,7 +190,7 @@ def apply_auto_plan(cfg: TrainConfig) -> TrainConfig:
                             "give a profile with --hardware (paraseek doctor --save PROFILE.json)")
         cluster = make_cluster(spec.name, cfg.world_size, gpus_per_node=cfg.nproc)
     best = best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size, document_mask=cfg.doc_mask == "true",
-                     fp8=cfg.fp8, lora=cfg.lora_for(args))
+                     fp8=cfg.fp8, fp8_experts=cfg.fp8_experts == "on", lora=cfg.lora_for(args))
     p = best.plan
     cfg = cfg.with_plan(p)
     print(f"plan auto: {' '.join(p.flags())} | predicted {best.memory.total / 2**30:.1f} GiB/GPU, "
