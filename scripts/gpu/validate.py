@@ -44,9 +44,9 @@ Groups (each fits one 10-minute device call on 2x H200):
         garbage collector's time per step and gc.freeze on and off; with every Python thread of the training process
         sampled; under glibc malloc tunables. They ran before the launcher set GLIBC_TUNABLES: put
         GLIBC_TUNABLES= (empty, glibc's defaults) in a variant's env to see the slowdown again.
-  fp8moe  DeepSeek-V2-Lite cut to 6 layers (no AC, compile, mbs 2 and 4, or FP8MOE_MBS=8,16): bf16, --fp8
-        tensorwise (the projections fp8_pays takes; experts bf16), and with --fp8-experts on. The tensorwise-only
-        runs at mbs 4-16 are what a planner term for --fp8-experts needs (docs/planner.md, FP8).
+  fp8moe  DeepSeek-V2-Lite cut to 6 layers (compile, mbs 2 and 4, or FP8MOE_MBS=8,16; no AC, or FP8MOE_AC):
+        bf16, --fp8 tensorwise (the projections fp8_pays takes; experts bf16), and with --fp8-experts on. Calls
+        41-42 fitted the planner's --fp8-experts term on it (docs/planner.md, FP8).
   fp8moeparity  fp8parity on the V2-Lite width cut to 4 layers, every fp8 run with --fp8-experts on (PARITY_EXPERTS=off:
                 the routed experts in bf16).
 """
@@ -740,13 +740,15 @@ def v2lite6_bench(name: str, mbs: int, flags: list[str], timeout: int = 300) -> 
     """`paraseek bench` of DeepSeek-V2-Lite cut to 6 layers (config only), seq 4096, micro-batch `mbs` on every GPU,
     no checkpointing, compiled, with `flags` (the --fp8 ones)."""
     v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
+    ac = os.environ.get("FP8MOE_AC", "none")  # none, or selective / full: the planner's recompute term out of sample
     return bench_run(name, N, ["--model", v2, "--seq-len", "4096", "--micro-batch-size", str(mbs),
-                               "--global-batch-size", str(mbs * N), "--activation-checkpointing", "none", "--compile",
+                               "--global-batch-size", str(mbs * N), "--activation-checkpointing", ac, "--compile",
                                *flags], timeout)
 
 
 def group_fp8moe(out: Path) -> list[dict]:
-    return [v2lite6_bench(f"v2lite-6l no-AC+compile mbs{mbs}, {' '.join(flags)}", mbs, flags)
+    ac = os.environ.get("FP8MOE_AC", "none")
+    return [v2lite6_bench(f"v2lite-6l AC {ac}+compile mbs{mbs}, {' '.join(flags)}", mbs, flags)
             for mbs in map(int, os.environ.get("FP8MOE_MBS", "2,4").split(","))
             for flags in (["--fp8", "off"], ["--fp8", "tensorwise"], ["--fp8", "tensorwise", "--fp8-experts", "on"])]
 

@@ -269,6 +269,84 @@ def test_the_float8_experts_term_against_its_formula_and_the_measured_break_even
             k: v for k, v in bf16.items() if k != "compute_experts"}
 
 
+@pytest.mark.parametrize("torch_version, kept", [("2.11.0+cu130", True), ("2.13.0+cpu", False)])
+def test_full_checkpointing_keeps_the_float8_experts_outputs_before_torch_2_13(torch_version, kept, monkeypatch):
+    """Under full checkpointing of compiled blocks, torch before 2.13 saves the float8 experts' GEMM outputs (gate,
+    up: Fe wide; down: D wide; bf16, each routed row, every MoE layer) instead of recomputing them (call 43: +17.9 GiB
+    on V2-Lite cut to 6 layers at mbs 16, +35.7 at mbs 32; pytorch#177396). Only there, and only with the flag."""
+    import importlib.metadata
+
+    from paraseek.planner import Plan, make_cluster
+    from paraseek.planner.memory import compiled_ac_saves_fp8_expert_outputs, memory, model_terms
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: torch_version)
+    compiled_ac_saves_fp8_expert_outputs.cache_clear()
+    args = dataclasses.replace(resolve_model("deepseek-v2-lite")[0], n_layers=6)
+    terms, c = model_terms(args, 4096), make_cluster("H200", 1)
+    plan = Plan(micro_batch_size=16, compile=True, activation_checkpointing="full", fp8="tensorwise")
+    try:
+        off, on = (memory(terms, c, plan.replace(fp8_experts=e), 16).items["activations"] for e in (False, True))
+        want = 5 * 16 * 4096 * 6 * 2 * (2 * 1408 + 2048)  # 5 MoE layers x rows x bf16 x (gate + up + down)
+        assert on - off == (pytest.approx(want, rel=1e-12) if kept else 0)
+        if kept:
+            assert want / 2**30 == pytest.approx(17.8, abs=0.05)  # call 43 measured +17.9 GiB
+        for ac in ("none", "selective"):  # nothing extra where nothing is recomputed the plain way
+            assert len({memory(terms, c, plan.replace(activation_checkpointing=ac, fp8_experts=e), 16).total
+                        for e in (False, True)}) == 1
+    finally:
+        compiled_ac_saves_fp8_expert_outputs.cache_clear()
+
+
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not _HOPPER, reason="float8 grouped GEMMs need a Hopper GPU")])])
+def test_what_full_checkpointing_of_compiled_float8_experts_saves(device, monkeypatch):
+    """The planner's rule (memory.compiled_ac_saves_fp8_expert_outputs: on torch < 2.13 a compiled, fully
+    checkpointed block keeps the float8 experts' GEMM outputs, pytorch#177396) against what the installed torch does:
+    a compiled toy expert MLP on fp8_grouped_mm (emulated on CPU), the bytes its forward saves for backward as
+    saved-tensor hooks see them. Without checkpointing they include the GEMM outputs; under full checkpointing only
+    the input where the rule says so."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from paraseek.models.fp8_grouped import fp8_grouped_mm
+    from paraseek.planner.memory import compiled_ac_saves_fp8_expert_outputs
+
+    if device == "cpu":
+        monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
+    E, D, F, rows = 4, 64, 128, 32  # experts, dim, expert width, rows per expert (multiples of 16)
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_in = torch.nn.Parameter(torch.randn(E, F, D, device=device, dtype=torch.bfloat16) / D**0.5)
+            self.w_out = torch.nn.Parameter(torch.randn(E, D, F, device=device, dtype=torch.bfloat16) / F**0.5)
+
+        def forward(self, x_MD):
+            counts_E = torch.full((E,), rows, device=device, dtype=torch.int64)
+            h_MF = torch.nn.functional.silu(fp8_grouped_mm(x_MD * 1.5, self.w_in, counts_E))
+            return fp8_grouped_mm(h_MF, self.w_out, counts_E) + x_MD
+
+    def saved_bytes(module) -> int:
+        torch.compiler.reset()
+        module.compile()
+        x = torch.randn(E * rows, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            y = module(x)
+        y.float().square().mean().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        return sum(sizes)
+
+    input_bytes = E * rows * D * 2
+    torch.manual_seed(0)
+    assert saved_bytes(Experts()) > 2 * input_bytes  # the hooks see the compiled graph's saved GEMM outputs
+    full = saved_bytes(checkpoint_wrapper(Experts(), preserve_rng_state=False))
+    assert (full > input_bytes) == compiled_ac_saves_fp8_expert_outputs(), (torch.__version__, full, input_bytes)
+
+
 def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):
     """planner/cost.py's fp8_share (from the shapes models/lora_spec lists) against the model's own nn.Linear run
     through parallel/fp8.py's filter: the share of block-projection GEMM FLOPs in float8, per recipe."""

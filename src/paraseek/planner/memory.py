@@ -32,6 +32,23 @@ from paraseek.models.stats import attention_flops_per_token, param_counts
 from paraseek.planner.plan import Cluster, Plan
 
 BF16, FP32 = 2, 4
+
+
+@functools.cache
+def compiled_ac_saves_fp8_expert_outputs() -> bool:
+    """Whether full checkpointing of a compiled block keeps the float8 experts' GEMM outputs (--fp8-experts; a
+    custom autograd.Function, models/fp8_grouped.py) instead of recomputing them: torch before 2.13 tags a plain
+    checkpoint's ops for recompute before the Function's ops are inlined, so the partitioner saves them (pytorch
+    #177396; torch 2.13 checkpoints through the selective path, which tags them: tests/unit/test_fp8.py checks this
+    rule against the installed torch). Measured on torch 2.11: +3.6 GiB a MoE layer at 64k tokens (BENCHMARKS.md, FP8,
+    call 43). 2.12 is not checked and taken as affected. The installed torch is what the run will use."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) < (2, 13)
 AC = ("none", "selective", "full")
 GiB = 2**30
 CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL's own allocations
@@ -507,6 +524,10 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         recompute = tokens * (s.noac_max_compiled if plan.compile else s.noac_max) if ac != "none" else 0.0
         if plan.document_mask:
             acts += in_flight(plan, r, m) * tokens * document_mask_bytes(a, t.seq_len)
+        if plan.fp8_experts and ac == "full" and plan.compile and compiled_ac_saves_fp8_expert_outputs():
+            # each routed row's gate, up (Fe wide) and down (D wide) GEMM outputs in bf16, in every MoE layer
+            rows = tokens / tp * a.n_activated_experts
+            acts += in_flight(plan, r, m) * s.n_moe * rows * BF16 * (2 * a.moe_inter_dim + a.dim)
         logits = 0.0
         if s.last:
             acts += tokens * (_norm(a.dim) / tp + BF16 * a.dim)  # final norm, gathered head input

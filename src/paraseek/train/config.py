@@ -229,7 +229,9 @@ _HELP = {
                    "per-row scales; Hopper only). Pays on big micro-batches: DeepSeek-V2-Lite (6 layers, one H200) "
                    "with --fp8 tensorwise ran 0.95x bf16 at 8k tokens per micro-batch, 1.01x at 16k, 1.07x at 32k "
                    "and 1.15x at 64k (less memory); 500-step loss vs bf16: tensorwise -0.8%% (means of 2 and 3 runs, "
-                   "which themselves vary by 3.7%%), rowwise +7.6%% (one run)",
+                   "which themselves vary by 3.7%%), rowwise +7.6%% (one run). `paraseek plan --fp8-experts on` "
+                   "predicts it. With --activation-checkpointing full and --compile, torch < 2.13 keeps the experts' "
+                   "GEMM outputs (pytorch#177396: +18 GiB on that model at 64k tokens); the planner counts them",
     "lora_targets": "what LoRA adapts, comma-separated: attention projections by name (q_proj, k_proj, v_proj, "
                     "o_proj, q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj), gate_proj/up_proj/down_proj (dense "
                     "MLPs), shared_experts, experts (routed, grouped), or attention, mlp, all (default: all)",
