@@ -182,17 +182,25 @@ def _times(model: str, gpus: int, **plan):
 
 
 def test_fp8_prices_the_block_projections_and_the_float8_all_gather():
-    from paraseek.planner.cost import FP8_LINEAR_SPEEDUP
+    from paraseek.planner import make_cluster
+    from paraseek.planner.cost import FP8_CAST_BYTES, FP8_LINEAR_SPEEDUP, fp8_cast_elems
     from paraseek.planner.memory import model_terms, rank_shares
 
     args, _, _ = resolve_model("deepseek-llm-7b")
     s = rank_shares(model_terms(args, 4096), 1, 1, 1, 1, "none")[0]
     head = 6 * args.vocab_size * args.dim
     t = _times("deepseek-llm-7b", 2, dp_shard=2, micro_batch_size=2)
+    hbm = make_cluster("H200", 2).hbm_gbps * 1e9
     for recipe in ("tensorwise", "rowwise", "rowwise-gw-hp"):
-        # only the projections speed up; the output head stays in bf16
-        want = ((s.linear_flops - head) / FP8_LINEAR_SPEEDUP[recipe] + head) / s.linear_flops
-        assert t[recipe]["compute_linear"] / t["off"]["compute_linear"] == pytest.approx(want, rel=1e-9)
+        # only the projections speed up (the output head stays in bf16), and their casts move FP8_CAST_BYTES an
+        # element of each one's input and output gradient: q, k, v, o 4096 x 4096, gate, up, down 4096 x 11008
+        k_plus_n, k_times_n = 4 * (4096 + 4096) + 3 * (4096 + 11008), 4 * 4096 * 4096 + 3 * 4096 * 11008
+        assert fp8_cast_elems(args, recipe) == pytest.approx(k_plus_n / (6 * k_times_n), rel=1e-12)
+        tokens = 4 * 2 * 4096  # 4 micro-batches of 2 x 4096 a rank
+        casts = tokens * (s.linear_flops - head) * fp8_cast_elems(args, recipe) * FP8_CAST_BYTES / hbm
+        gemm = t["off"]["compute_linear"] * ((s.linear_flops - head) / FP8_LINEAR_SPEEDUP[recipe] + head) / (
+            s.linear_flops)
+        assert t[recipe]["compute_linear"] == pytest.approx(gemm + casts, rel=1e-9)
         assert t[recipe]["compute_attention"] == t["off"]["compute_attention"]
     # tensorwise all-gathers the projections in float8 (half the bytes); the rowwise recipes gather bf16
     assert t["tensorwise"]["fsdp_comm"] < t["off"]["fsdp_comm"]
@@ -348,9 +356,10 @@ def test_what_full_checkpointing_of_compiled_float8_experts_saves(device, monkey
 
 
 def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):
-    """planner/cost.py's fp8_share (from the shapes models/lora_spec lists) against the model's own nn.Linear run
-    through parallel/fp8.py's filter: the share of block-projection GEMM FLOPs in float8, per recipe."""
-    from paraseek.planner.cost import fp8_share
+    """planner/cost.py's fp8_share and fp8_cast_elems (from the shapes models/lora_spec lists) against the model's
+    own nn.Linear run through parallel/fp8.py's filter: the share of block-projection GEMM FLOPs in float8, and the
+    elements their casts touch (each converted one's input and output gradient) per block-projection GEMM FLOP."""
+    from paraseek.planner.cost import fp8_cast_elems, fp8_share
 
     monkeypatch.delenv("PARASEEK_FP8_EMULATE", raising=False)
     for name in ("deepseek-llm-7b", "deepseek-v2-lite", "deepseek-r1-distill-llama-8b",
@@ -362,4 +371,10 @@ def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):
         for recipe in ("tensorwise", "rowwise"):
             fp8 = sum(m.in_features * m.out_features for n, m in linears if fp8_filter(m, n, recipe))
             assert fp8_share(args, recipe) == pytest.approx(fp8 / total, rel=1e-12), (name, recipe)
+            cast = sum(m.in_features + m.out_features for n, m in linears if fp8_filter(m, n, recipe))
+            assert fp8_cast_elems(args, recipe) == pytest.approx(cast / (6 * total), rel=1e-12), (name, recipe)
     assert fp8_share(resolve_model("deepseek-llm-7b")[0], "rowwise") == 1.0
+    # V2-Lite's 2048-wide projections cast about 2.5x the elements per FLOP of the 7B's 4096-wide ones
+    ratio = fp8_cast_elems(resolve_model("deepseek-v2-lite")[0], "tensorwise") / fp8_cast_elems(
+        resolve_model("deepseek-llm-7b")[0], "tensorwise")
+    assert 2.2 < ratio < 2.8

@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     p.add_argument("--fp8-experts", default="off", choices=("off", "on"),
                    help="with --fp8: plans with `paraseek train --fp8-experts on`, the routed experts' grouped GEMMs "
                    "in float8 too (Hopper; slower than bf16 below ~1,500 tokens routed to each expert per "
-                   "micro-batch, up to 1.7x the experts' GEMM rate with many; default off)")
+                   "micro-batch, up to 1.75x the experts' GEMM rate with many; default off)")
     p.add_argument("--doc-mask", action="store_true",
                    help="price packed rows with document masks (chat fine-tuning: per-token RoPE tables, positions "
                    "and FlexAttention's block mask per micro-batch)")

@@ -83,19 +83,25 @@ COMPILE_SINGLE_RANK = 0.65  # FSDP2's copies on a 1-rank mesh relative to a shar
 COMPILED_LOSS_TRAFFIC = 6.0
 
 
-# --fp8: the block projections' GEMM time relative to bf16, the casts and scale reductions included. Fitted on our fp8
-# runs on one H200 (7B and the Llama-3.1-8B shape cut to 16 layers, compiled, selective AC, mbs 2, call 20:
-# docs/planner.md, "FP8"); rowwise-gw-hp keeps the weight-gradient third in bf16: 1 / (2/3 / 1.142 + 1/3), derived.
-FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.46, "rowwise": 1.14, "rowwise-gw-hp": 1.09}
+# --fp8: the converted block projections' GEMMs run FP8_LINEAR_SPEEDUP times faster than bf16's, and their casts
+# move FP8_CAST_BYTES per element of each one's input and output gradient at the memory rate (fp8_cast_elems): a
+# bf16 read for the abs-max, another for the cast, a float8 write and its transposed copy for the weight gradient,
+# 2 + 2 + 1 + 1 = 6 B for each of the two, 12 B from the kernels. Fitted by least squares on our one-H200 runs
+# (compiled, seq 4096; docs/planner.md, "FP8"): tensorwise's factor and the bytes (11) on the 7B and the Llama-3.1-8B
+# shape at mbs 2 and DeepSeek-V2-Lite cut to 6 layers at mbs 2-32 (2048 wide: casts weigh twice as much there),
+# rowwise's factor on the 7B and Llama with those bytes; rowwise-gw-hp keeps the weight-gradient third in bf16:
+# 1 / (2/3 / 1.33 + 1/3), derived, with the same bytes (its transposed copies stay bf16: an overestimate).
+FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.76, "rowwise": 1.33, "rowwise-gw-hp": 1.20}
+FP8_CAST_BYTES = 11.0
 FP8 = 1  # bytes per param of a float8 all-gather
 # --fp8-experts: the routed experts' forward and input-gradient GEMMs in float8 (torch._scaled_grouped_mm, rowwise
 # scales; the weight gradient stays bf16), the quantizing kernels included. Their rate against bf16's grouped GEMM at
 # the same rows: FP8_GROUPED_SPEEDUP x (rows + GROUPED_HALF_ROWS) / (rows + FP8_GROUPED_HALF_ROWS), slower below
-# ~1,500 rows per expert and up to 1.72x with many. Fitted on DeepSeek-V2-Lite cut to 6 layers on one H200
+# ~1,470 rows per expert and up to 1.75x with many. Fitted on DeepSeek-V2-Lite cut to 6 layers on one H200
 # (compiled, no checkpointing, seq 4096, micro-batch 2-16 = 768-6,144 rows), the step-time ratio of `--fp8
 # tensorwise --fp8-experts on` to `--fp8 tensorwise` (calls 33-42 of 2026-12-03; docs/planner.md, "FP8").
-FP8_GROUPED_SPEEDUP = 1.72
-FP8_GROUPED_HALF_ROWS = 1840
+FP8_GROUPED_SPEEDUP = 1.75
+FP8_GROUPED_HALF_ROWS = 1890
 
 # Tensorwise's float8 all-gather (FSDP2 with a shard > 1) casts each rank's fp32 shard in FSDP2's eager pre-gather
 # hook, every gather: a scale multiply, a clamp and a convert (4+4, 4+4, 4+1 = 21 B a parameter), in place of the
@@ -126,6 +132,19 @@ def fp8_share(a: ModelArgs, recipe: str) -> float:
     shapes = [(w.in_features, w.out_features) for w in adapted(a, LoRASpec(1, 1.0, targets))]
     paid = sum(k * n for k, n in shapes if k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n))
     return paid / sum(k * n for k, n in shapes)
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_cast_elems(a: ModelArgs, recipe: str) -> float:
+    """Elements the float8 casts of `--fp8 recipe` touch per token, per block-projection GEMM FLOP: each converted
+    projection casts its input (k) and its output gradient (n) each step, against 6 k n FLOPs forward and backward
+    over all the block projections. 2 / 6 / 4096 for a 4096-square projection; narrower ones cast more per FLOP."""
+    if recipe == "off":
+        return 0.0
+    targets = tuple(t for t in model_targets(a) if t != "experts")
+    shapes = [(w.in_features, w.out_features) for w in adapted(a, LoRASpec(1, 1.0, targets))]
+    cast = sum(k + n for k, n in shapes if k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n))
+    return cast / sum(6 * k * n for k, n in shapes)
 
 
 # Linear efficiency (Efficiency.linear, COMPILE_GEMM_GAIN) was fitted on 4096-wide models. A narrower model runs
@@ -222,8 +241,10 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         # head stays bf16
         block, share = s.linear_flops - s.head_flops, fp8_share(a, plan.fp8)
         linear = block * (share / FP8_LINEAR_SPEEDUP[plan.fp8] + 1 - share) + s.head_flops
+        fp8_casts = tokens * block * fp8_cast_elems(a, plan.fp8) * FP8_CAST_BYTES / hbm
         it = {
-            "compute_linear": tokens * linear * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim)),
+            "compute_linear": (tokens * linear * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim))
+                               + fp8_casts * recompute),
             "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * expert_passes / (rate * grouped_eff * gemm)
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
