@@ -32,6 +32,20 @@ from paraseek.models.stats import attention_flops_per_token, param_counts
 from paraseek.planner.plan import Cluster, Plan
 
 BF16, FP32 = 2, 4
+AC = ("none", "selective", "full")
+GiB = 2**30
+CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL's own allocations
+ALLOCATOR_BASE, ALLOCATOR_FRACTION = 0.5 * GiB, 0.02  # caching-allocator rounding and fragmentation
+NCCL_BUFFERS_PER_GROUP = 0.125 * GiB  # NCCL channel buffers of one communicator
+LOSS_BYTES_PER_LOGIT = 10  # bf16 logits + fp32 copy + fp32 log-softmax (saved) at the cross-entropy
+LOGIT_GRAD_BYTES = 6  # early backward: the logits' fp32 grad and its bf16 cast
+MOE_IMBALANCE = 1.1  # busiest expert rank's share over the mean (aux-loss-free balancing is good, not perfect)
+OPTIM_TEMP_BYTES = 0  # AdamW(fused=True) as the anchors and TorchTitan run it; foreach would add 4 B/param (sqrt temp)
+# The compiled loss (train/loop.py: --compile without tp/pp) fuses the fp32 cast, log-softmax and gather: it keeps the
+# bf16 logits (and an fp32 log-sum-exp per token) for backward, and its backward writes the bf16 grad directly, while
+# the logits are still alive.
+COMPILED_LOSS_BYTES_PER_LOGIT = 2
+COMPILED_LOGIT_GRAD_BYTES = 4
 
 
 @functools.cache
@@ -49,20 +63,6 @@ def compiled_ac_saves_fp8_expert_outputs() -> bool:
     except (PackageNotFoundError, ValueError):
         return False
     return (major, minor) < (2, 13)
-AC = ("none", "selective", "full")
-GiB = 2**30
-CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL's own allocations
-ALLOCATOR_BASE, ALLOCATOR_FRACTION = 0.5 * GiB, 0.02  # caching-allocator rounding and fragmentation
-NCCL_BUFFERS_PER_GROUP = 0.125 * GiB  # NCCL channel buffers of one communicator
-LOSS_BYTES_PER_LOGIT = 10  # bf16 logits + fp32 copy + fp32 log-softmax (saved) at the cross-entropy
-LOGIT_GRAD_BYTES = 6  # early backward: the logits' fp32 grad and its bf16 cast
-MOE_IMBALANCE = 1.1  # busiest expert rank's share over the mean (aux-loss-free balancing is good, not perfect)
-OPTIM_TEMP_BYTES = 0  # AdamW(fused=True) as the anchors and TorchTitan run it; foreach would add 4 B/param (sqrt temp)
-# The compiled loss (train/loop.py: --compile without tp/pp) fuses the fp32 cast, log-softmax and gather: it keeps the
-# bf16 logits (and an fp32 log-sum-exp per token) for backward, and its backward writes the bf16 grad directly, while
-# the logits are still alive.
-COMPILED_LOSS_BYTES_PER_LOGIT = 2
-COMPILED_LOGIT_GRAD_BYTES = 4
 
 
 def _norm(d: int) -> int:
