@@ -738,9 +738,9 @@ def group_mallocvar(out: Path) -> list[dict]:
 
 def v2lite6_bench(name: str, mbs: int, flags: list[str], timeout: int = 300) -> dict:
     """`paraseek bench` of DeepSeek-V2-Lite cut to 6 layers (config only), seq 4096, micro-batch `mbs` on every GPU,
-    no checkpointing, compiled, with `flags` (the --fp8 ones)."""
+    no checkpointing (or FP8MOE_AC's mode), compiled, with `flags` (the --fp8 ones)."""
     v2 = folder("v2lite6", "deepseek-v2-lite", 6, weights=False)
-    ac = os.environ.get("FP8MOE_AC", "none")  # none, or selective / full: the planner's recompute term out of sample
+    ac = os.environ.get("FP8MOE_AC", "none")  # none, selective or full
     return bench_run(name, N, ["--model", v2, "--seq-len", "4096", "--micro-batch-size", str(mbs),
                                "--global-batch-size", str(mbs * N), "--activation-checkpointing", ac, "--compile",
                                *flags], timeout)

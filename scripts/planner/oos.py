@@ -206,7 +206,9 @@ def predict(cmd: str, models: Path) -> dict:
     if cfg.plan == "auto":  # what train/launch.py: apply_auto_plan picks on an H200
         from paraseek.planner import best_plan
 
-        cfg = cfg.with_plan(best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size).plan)
+        cfg = cfg.with_plan(best_plan(args, cluster, cfg.seq_len, cfg.global_batch_size,
+                                      document_mask=cfg.doc_mask == "true", fp8=cfg.fp8,
+                                      fp8_experts=cfg.fp8_experts == "on", lora=cfg.lora_for(args)).plan)
     validate(cfg, cuda_available=True, gpu_count=ns.nproc)
     ev = evaluate(args, cluster, cfg.to_plan(), cfg.seq_len, cfg.global_batch_size)
     return {"plan": " ".join(cfg.to_plan().flags()), "fits": not ev.reason, "tight": ev.tight, "memory_gib": round(ev.memory.total / 2**30, 2),

@@ -225,8 +225,8 @@ def test_fp8_expert_plans_are_priced_ranked_and_accepted_by_train(monkeypatch):
     for p, e in zip(plans, ranked):
         assert all(flag in p["command"] for flag in e.plan.flags())
     for e in ranked:
-        # rows per expert = 4096 x mbs x ep x 6 / 64; from 1,536 (mbs x ep = 4) on, past the fitted break-even near
-        # 1,480, the float8 grouped GEMM is faster than bf16's; at 768 (mbs 2, no ep) slower
+        # rows per expert = 4096 x mbs x ep x 6 / 64 (/ tp); from 1,536 (mbs x ep = 4) on, past the fitted
+        # break-even near 1,470, the float8 grouped GEMM is faster than bf16's; at 768 (mbs 2, no ep) slower
         bf16 = evaluate(args, c, e.plan.replace(fp8_experts=False), 4096, 32)
         assert (e.tokens_per_s_per_gpu > bf16.tokens_per_s_per_gpu) == (e.plan.micro_batch_size * e.plan.ep >= 4)
     with pytest.raises(UserError, match="--fp8-experts needs a Hopper GPU"):

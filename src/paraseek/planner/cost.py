@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from paraseek.models.args import ModelArgs
 from paraseek.models.lora_spec import LoRASpec, adapted, model_targets
 from paraseek.planner.dims import float8_all_gather
-from paraseek.planner.memory import (BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare, compiled_loss, hot_ranks,
-                                     rank_shares)
+from paraseek.planner.memory import (BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare,
+                                     compiled_ac_saves_fp8_expert_outputs, compiled_loss, hot_ranks, rank_shares)
 from paraseek.planner.plan import Cluster, Plan
 
 ALPHA_INTRA_S, ALPHA_INTER_S = 10e-6, 20e-6  # per collective: launch + latency (inter-node grows with log2 n)
@@ -88,7 +88,7 @@ COMPILED_LOSS_TRAFFIC = 6.0
 # bf16 read for the abs-max, another for the cast, a float8 write and its transposed copy for the weight gradient,
 # 2 + 2 + 1 + 1 = 6 B for each of the two, 12 B from the kernels. Fitted by least squares on our one-H200 runs
 # (compiled, seq 4096; docs/planner.md, "FP8"): tensorwise's factor and the bytes (11) on the 7B and the Llama-3.1-8B
-# shape at mbs 2 and DeepSeek-V2-Lite cut to 6 layers at mbs 2-32 (2048 wide: casts weigh twice as much there),
+# shape at mbs 2 and DeepSeek-V2-Lite cut to 6 layers at mbs 2-32 (2048 wide: casts weigh 2.3x as much there),
 # rowwise's factor on the 7B and Llama with those bytes; rowwise-gw-hp keeps the weight-gradient third in bf16:
 # 1 / (2/3 / 1.33 + 1/3), derived, with the same bytes (its transposed copies stay bf16: an overestimate).
 FP8_LINEAR_SPEEDUP = {"off": 1.0, "tensorwise": 1.76, "rowwise": 1.33, "rowwise-gw-hp": 1.20}
@@ -99,7 +99,7 @@ FP8 = 1  # bytes per param of a float8 all-gather
 # the same rows: FP8_GROUPED_SPEEDUP x (rows + GROUPED_HALF_ROWS) / (rows + FP8_GROUPED_HALF_ROWS), slower below
 # ~1,470 rows per expert and up to 1.75x with many. Fitted on DeepSeek-V2-Lite cut to 6 layers on one H200
 # (compiled, no checkpointing, seq 4096, micro-batch 2-16 = 768-6,144 rows), the step-time ratio of `--fp8
-# tensorwise --fp8-experts on` to `--fp8 tensorwise` (calls 33-42 of 2026-12-03; docs/planner.md, "FP8").
+# tensorwise --fp8-experts on` to `--fp8 tensorwise` (calls 33, 35, 41, 42 of 2026-12-03; docs/planner.md, "FP8").
 FP8_GROUPED_SPEEDUP = 1.75
 FP8_GROUPED_HALF_ROWS = 1890
 
@@ -228,11 +228,13 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     rows = tokens / tp * ep * a.n_activated_experts / max(a.n_routed_experts, 1)
     grouped_eff = eff.grouped * rows / (rows + GROUPED_HALF_ROWS) if rows else 1.0
     # In units of the experts' bf16 forward+backward: --fp8-experts runs the forward (and its recompute) and the
-    # input gradient, all but the weight-gradient third, at the float8 grouped GEMM's relative rate.
+    # input gradient, all but the weight-gradient third, at the float8 grouped GEMM's relative rate. Where full
+    # checkpointing keeps their outputs instead (torch < 2.13, compiled: memory.py counts them), no recompute.
     expert_passes = recompute
     if plan.fp8_experts and rows:
         fp8_rate = FP8_GROUPED_SPEEDUP * (rows + GROUPED_HALF_ROWS) / (rows + FP8_GROUPED_HALF_ROWS)
-        expert_passes = 1 / 3 + (recompute - 1 / 3) / fp8_rate
+        kept = full and plan.compile and compiled_ac_saves_fp8_expert_outputs()
+        expert_passes = 1 / 3 + ((1.0 if kept else recompute) - 1 / 3) / fp8_rate
     # The slowest pp rank's micro-batch.
     worst: dict[str, float] = {}
     for r in hot_ranks(shares):
