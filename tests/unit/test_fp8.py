@@ -183,7 +183,7 @@ def _times(model: str, gpus: int, **plan):
 
 def test_fp8_prices_the_block_projections_and_the_float8_all_gather():
     from paraseek.planner import make_cluster
-    from paraseek.planner.cost import FP8_CAST_BYTES, FP8_LINEAR_SPEEDUP, fp8_cast_elems
+    from paraseek.planner.cost import FP8_CAST_BYTES, FP8_LINEAR_SPEEDUP, fp8_terms
     from paraseek.planner.memory import model_terms, rank_shares
 
     args, _, _ = resolve_model("deepseek-llm-7b")
@@ -195,9 +195,9 @@ def test_fp8_prices_the_block_projections_and_the_float8_all_gather():
         # only the projections speed up (the output head stays in bf16), and their casts move FP8_CAST_BYTES an
         # element of each one's input and output gradient: q, k, v, o 4096 x 4096, gate, up, down 4096 x 11008
         k_plus_n, k_times_n = 4 * (4096 + 4096) + 3 * (4096 + 11008), 4 * 4096 * 4096 + 3 * 4096 * 11008
-        assert fp8_cast_elems(args, recipe) == pytest.approx(k_plus_n / (6 * k_times_n), rel=1e-12)
+        assert fp8_terms(args, recipe)[1] == pytest.approx(k_plus_n / (6 * k_times_n), rel=1e-12)
         tokens = 4 * 2 * 4096  # 4 micro-batches of 2 x 4096 a rank
-        casts = tokens * (s.linear_flops - head) * fp8_cast_elems(args, recipe) * FP8_CAST_BYTES / hbm
+        casts = tokens * (s.linear_flops - head) * fp8_terms(args, recipe)[1] * FP8_CAST_BYTES / hbm
         gemm = t["off"]["compute_linear"] * ((s.linear_flops - head) / FP8_LINEAR_SPEEDUP[recipe] + head) / (
             s.linear_flops)
         assert t[recipe]["compute_linear"] == pytest.approx(gemm + casts, rel=1e-9)
@@ -365,10 +365,10 @@ def test_what_full_checkpointing_of_compiled_float8_experts_saves(device, monkey
 
 
 def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):
-    """planner/cost.py's fp8_share and fp8_cast_elems (from the shapes models/lora_spec lists) against the model's
-    own nn.Linear run through parallel/fp8.py's filter: the share of block-projection GEMM FLOPs in float8, and the
-    elements their casts touch (each converted one's input and output gradient) per block-projection GEMM FLOP."""
-    from paraseek.planner.cost import fp8_cast_elems, fp8_share
+    """planner/cost.py's fp8_terms (from the shapes models/lora_spec lists) against the model's own nn.Linear run
+    through parallel/fp8.py's filter: the share of block-projection GEMM FLOPs in float8, and the elements their casts
+    touch (each converted one's input and output gradient) per block-projection GEMM FLOP."""
+    from paraseek.planner.cost import fp8_terms
 
     monkeypatch.delenv("PARASEEK_FP8_EMULATE", raising=False)
     for name in ("deepseek-llm-7b", "deepseek-v2-lite", "deepseek-r1-distill-llama-8b",
@@ -379,11 +379,11 @@ def test_the_planner_prices_the_projections_the_filter_converts(monkeypatch):
         total = sum(m.in_features * m.out_features for _, m in linears)
         for recipe in ("tensorwise", "rowwise"):
             fp8 = sum(m.in_features * m.out_features for n, m in linears if fp8_filter(m, n, recipe))
-            assert fp8_share(args, recipe) == pytest.approx(fp8 / total, rel=1e-12), (name, recipe)
+            assert fp8_terms(args, recipe)[0] == pytest.approx(fp8 / total, rel=1e-12), (name, recipe)
             cast = sum(m.in_features + m.out_features for n, m in linears if fp8_filter(m, n, recipe))
-            assert fp8_cast_elems(args, recipe) == pytest.approx(cast / (6 * total), rel=1e-12), (name, recipe)
-    assert fp8_share(resolve_model("deepseek-llm-7b")[0], "rowwise") == 1.0
+            assert fp8_terms(args, recipe)[1] == pytest.approx(cast / (6 * total), rel=1e-12), (name, recipe)
+    assert fp8_terms(resolve_model("deepseek-llm-7b")[0], "rowwise")[0] == 1.0
     # V2-Lite's 2048-wide projections cast about 2.3x the elements per FLOP of the 7B's 4096-wide ones
-    ratio = fp8_cast_elems(resolve_model("deepseek-v2-lite")[0], "tensorwise") / fp8_cast_elems(
-        resolve_model("deepseek-llm-7b")[0], "tensorwise")
+    ratio = fp8_terms(resolve_model("deepseek-v2-lite")[0], "tensorwise")[1] / fp8_terms(
+        resolve_model("deepseek-llm-7b")[0], "tensorwise")[1]
     assert 2.2 < ratio < 2.4

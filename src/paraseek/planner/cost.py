@@ -84,7 +84,7 @@ COMPILED_LOSS_TRAFFIC = 6.0
 
 
 # --fp8: the converted block projections' GEMMs run FP8_LINEAR_SPEEDUP times faster than bf16's, and their casts
-# move FP8_CAST_BYTES per element of each one's input and output gradient at the memory rate (fp8_cast_elems): a
+# move FP8_CAST_BYTES per element of each one's input and output gradient at the memory rate (fp8_terms): a
 # bf16 read for the abs-max, another for the cast, a float8 write and its transposed copy for the weight gradient,
 # 2 + 2 + 1 + 1 = 6 B for each of the two, 12 B from the kernels. Fitted by least squares on our one-H200 runs
 # (compiled, seq 4096; docs/planner.md, "FP8"): tensorwise's factor and the bytes (11) on the 7B and the Llama-3.1-8B
@@ -115,36 +115,28 @@ def fp8_pays(recipe: str, k: int, n: int) -> bool:
     thresholds from its H100 tables (torchao/float8 README, "Performance"; float8_linear_utils._auto_filter_for_*).
     Below them the casts and scale reductions cost more than the faster GEMM saves: DeepSeek-V2-Lite's projections
     (2048 wide) all in float8 rowwise ran 0.80x bf16 on one H200 (BENCHMARKS.md, FP8). parallel/fp8.py converts
-    only these; fp8_share prices them."""
+    only these; fp8_terms prices them."""
     if recipe == "tensorwise":
         return not (k <= 4096 and n <= 1024)
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))  # rowwise, and rowwise-gw-hp's same casts
 
 
 @functools.lru_cache(maxsize=64)
-def fp8_share(a: ModelArgs, recipe: str) -> float:
-    """The share of the block projections' GEMM FLOPs (attention, dense MLPs, shared experts) that `--fp8 recipe`
-    runs in float8: the shapes parallel/fp8.py's filter converts (multiples of 16 where fp8_pays), as
-    models/lora_spec.adapted lists them. 1 on DeepSeek-LLM-7B; V2-Lite under rowwise only its dense layer's gate/up."""
+def fp8_terms(a: ModelArgs, recipe: str) -> tuple[float, float]:
+    """What `--fp8 recipe` converts of the block projections (attention, dense MLPs, shared experts), as
+    models/lora_spec.adapted lists them and parallel/fp8.py's filter takes them (multiples of 16 where fp8_pays):
+    - share: the share of their GEMM FLOPs run in float8. 1 on DeepSeek-LLM-7B; V2-Lite under rowwise only its dense
+      layer's gate/up.
+    - cast_elems: the elements the casts touch per token per block-projection GEMM FLOP. Each converted projection
+      casts its input (k) and its output gradient (n) each step, against 6 k n FLOPs forward and backward over all
+      of them: 2 / 6 / 4096 for a 4096-square projection, and narrower ones cast more per FLOP."""
     if recipe == "off":
-        return 0.0
+        return 0.0, 0.0
     targets = tuple(t for t in model_targets(a) if t != "experts")
     shapes = [(w.in_features, w.out_features) for w in adapted(a, LoRASpec(1, 1.0, targets))]
-    paid = sum(k * n for k, n in shapes if k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n))
-    return paid / sum(k * n for k, n in shapes)
-
-
-@functools.lru_cache(maxsize=64)
-def fp8_cast_elems(a: ModelArgs, recipe: str) -> float:
-    """Elements the float8 casts of `--fp8 recipe` touch per token, per block-projection GEMM FLOP: each converted
-    projection casts its input (k) and its output gradient (n) each step, against 6 k n FLOPs forward and backward
-    over all the block projections. 2 / 6 / 4096 for a 4096-square projection; narrower ones cast more per FLOP."""
-    if recipe == "off":
-        return 0.0
-    targets = tuple(t for t in model_targets(a) if t != "experts")
-    shapes = [(w.in_features, w.out_features) for w in adapted(a, LoRASpec(1, 1.0, targets))]
-    cast = sum(k + n for k, n in shapes if k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n))
-    return cast / sum(6 * k * n for k, n in shapes)
+    paid = [(k, n) for k, n in shapes if k % 16 == 0 and n % 16 == 0 and fp8_pays(recipe, k, n)]
+    total = sum(k * n for k, n in shapes)
+    return sum(k * n for k, n in paid) / total, sum(k + n for k, n in paid) / (6 * total)
 
 
 # Linear efficiency (Efficiency.linear, COMPILE_GEMM_GAIN) was fitted on 4096-wide models. A narrower model runs
@@ -241,9 +233,9 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         s = shares[r]
         # --fp8: the block projections it converts speed up (the router, a tiny share, is counted with the rest); the
         # head stays bf16
-        block, share = s.linear_flops - s.head_flops, fp8_share(a, plan.fp8)
+        block, (share, cast_elems) = s.linear_flops - s.head_flops, fp8_terms(a, plan.fp8)
         linear = block * (share / FP8_LINEAR_SPEEDUP[plan.fp8] + 1 - share) + s.head_flops
-        fp8_casts = tokens * block * fp8_cast_elems(a, plan.fp8) * FP8_CAST_BYTES / hbm
+        fp8_casts = tokens * block * cast_elems * FP8_CAST_BYTES / hbm
         it = {
             "compute_linear": (tokens * linear * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim))
                                + fp8_casts * recompute),
