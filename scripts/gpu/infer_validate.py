@@ -4,7 +4,8 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
-Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, stress, hf (HF generate
+Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, v3cut (V3's first 6
+layers), v3deep (V3's architecture at 27 layers of reduced width), v2profile, tune (the fused-MoE configs), stress, hf (HF generate
 on the same requests, 8B and 1.5B; hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
 `paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the
 same with --max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile (the server's CPU per streamed token by thread, and py-spy's
@@ -38,11 +39,11 @@ if os.environ.get("INFER_VALIDATE_TINY") == "1":  # a CPU dry run of this script
 _DEADLINE = time.time() + float(os.environ.get("INFER_DEADLINE_S", "1e9"))  # the whole call's: cut a run, keep the rest
 
 
-def sh(argv: list[str], timeout: int) -> tuple[int, str]:
+def sh(argv: list[str], timeout: int, env: dict | None = None) -> tuple[int, str]:
     t0 = time.time()
     timeout = max(1, min(timeout, int(_DEADLINE - t0)))
     try:
-        r = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        r = subprocess.run(argv, env=env or ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         rc, out, err = r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out, err = 124, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
@@ -54,8 +55,8 @@ def sh(argv: list[str], timeout: int) -> tuple[int, str]:
 
 
 def bench(out: Path, name: str, model: str, *flags: str, timeout: int = 240) -> dict:
-    rc, text = sh([PY, "-m", "paraseek", "bench-infer", model, "--random-weights", "--json",
-                   "--plot", str(out / f"{name}.png"), *flags], timeout)
+    plot = ["--plot", str(out / f"{name}.png")] if os.environ.get("BENCH_PLOTS", "1") == "1" else []
+    rc, text = sh([PY, "-m", "paraseek", "bench-infer", model, "--random-weights", "--json", *plot, *flags], timeout)
     start = text.find("{\n")
     try:
         r = json.loads(text[start:text.rfind("}") + 1]) if start >= 0 else {}
@@ -67,7 +68,8 @@ def bench(out: Path, name: str, model: str, *flags: str, timeout: int = 240) -> 
 
 def group_tests(out: Path, anchors: str) -> list[dict]:
     rc, text = sh([PY, "-m", "pytest", "-q", "-x", "-m", "gpu", *(os.environ.get("INFER_TESTS") or
-                   "tests/gpu/test_infer_kernels.py tests/gpu/test_infer_gpu.py").split()], 240)
+                   "tests/gpu/test_infer_kernels.py tests/gpu/test_infer_gpu.py").split()],
+                  int(os.environ.get("INFER_TESTS_TIMEOUT", "240")))
     (out / "tests.txt").write_text(text)
     return [{"name": "gpu tests", "rc": rc, "summary": text.strip().splitlines()[-1] if text.strip() else ""}]
 
@@ -78,13 +80,17 @@ def group_llama8b(out: Path, anchors: str) -> list[dict]:
                   "--concurrency-output", "128")]
 
 
+def group_llama8b_latency(out: Path, anchors: str) -> list[dict]:
+    return [bench(out, "llama8b-latency", LLAMA, "--workloads", "latency")]
+
+
 def group_qwen(out: Path, anchors: str) -> list[dict]:
     return [bench(out, "qwen", QWEN, "--workloads", "latency,throughput")]
 
 
 def group_v2lite(out: Path, anchors: str) -> list[dict]:
-    r = bench(out, "v2lite", V2LITE, "--workloads", "latency,concurrency", "--concurrency", "64",
-              "--concurrency-input", "2048", "--concurrency-output", "128")
+    r = bench(out, "v2lite", V2LITE, "--workloads", "latency,throughput,concurrency", "--num-requests", "500",
+              "--concurrency", "64", "--concurrency-input", "2048", "--concurrency-output", "128")
     rc, text = sh([PY, "-m", "paraseek", "plan", "--mode", "infer", "--model", V2LITE, "--gpus", "1", "--gpu-type",
                    "H200", "--seq-len", str(r.get("engine", {}).get("max_model_len", 32768)), "--json"], 120)
     try:
@@ -92,6 +98,57 @@ def group_v2lite(out: Path, anchors: str) -> list[dict]:
     except json.JSONDecodeError:
         r["plan_infer"] = None
     return [r]
+
+
+def group_v3cut(out: Path, anchors: str) -> list[dict]:
+    """DeepSeek-V3's config cut to its first 6 layers (3 dense + 3 MoE: 256 experts top-8, noaux_tc, MLA with
+    q_lora), the layer shapes V3 and R1 run, on one GPU."""
+    return [bench(out, "v3cut", "deepseek-v3", "--layers", "6", "--workloads", "latency,throughput,concurrency",
+                  "--num-requests", "300", "--concurrency", "64", "--concurrency-input", "2048",
+                  "--concurrency-output", "128")]
+
+
+def group_v3deep(out: Path, anchors: str) -> list[dict]:
+    """V3's architecture at 27 layers of reduced width (hidden 2048, 16 heads, experts of width 512, 256 of them
+    top-8, noaux_tc, MLA with q_lora): the fixed cost per layer that V3 and R1 pay 61 times a token."""
+    from paraseek.models.args import preset_config
+
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="v3deep-"))  # not under DIR: the device returns a few files only
+    cfg = dict(preset_config("deepseek-v3"), num_hidden_layers=27, hidden_size=2048, num_attention_heads=16,
+               intermediate_size=5632, moe_intermediate_size=512, q_lora_rank=768, num_nextn_predict_layers=0)
+    cfg.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return [bench(out, "v3deep", str(folder), "--workloads", "latency,concurrency", "--concurrency", "64",
+                  "--concurrency-input", "2048", "--concurrency-output", "128")]
+
+
+def group_v2profile(out: Path, anchors: str, src: Path = ROOT, name: str = "v2profile") -> list[dict]:
+    """scripts/gpu/decode_profile.py on the V2-Lite shape at batch 1 and 64: engine step vs replay, top kernels.
+    `src`: another checkout of the project (the code before a change, for a same-call before/after)."""
+    lines = []
+    env = dict(ENV, PYTHONPATH=str(src / "src"))
+    for batch in [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,64").split(",")]:
+        rc, text = sh([PY, str(src / "scripts/gpu/decode_profile.py"), V2LITE, "--batch", str(batch), "--input",
+                       "128"], 240, env)
+        (out / f"{name}-b{batch}.txt").write_text(text)
+        lines += [l for l in text.splitlines() if l.startswith("PROFILE")] or [f"PROFILE rc {rc}"]
+    return [{"name": name, "rc": 0, "lines": lines}]
+
+
+def group_v2profile_before(out: Path, anchors: str) -> list[dict]:
+    """The same profile of the checkout in .baseline/ (`git archive BASE src scripts | tar -x -C .baseline`)."""
+    return group_v2profile(out, anchors, ROOT / ".baseline", "v2profile-before")
+
+
+def group_tune(out: Path, anchors: str) -> list[dict]:
+    """The fused-MoE tile configs for V2-Lite's and V3's expert shapes (scripts/gpu/tune_fused_moe.py --write)."""
+    shapes = os.environ.get("TUNE_SHAPES", "v2-lite v3").split()
+    rc, text = sh([PY, "scripts/gpu/tune_fused_moe.py", "--shapes", *shapes, "--write"], 420)
+    (out / "tune.txt").write_text(text)
+    (out / "moe_configs.json").write_text((ROOT / "src/paraseek/infer/moe_configs.json").read_text())
+    return [{"name": "tune", "rc": rc, "lines": text.strip().splitlines()[-30:]}]
 
 
 def group_qwen_wide(out: Path, anchors: str) -> list[dict]:

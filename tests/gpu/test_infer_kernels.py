@@ -213,6 +213,29 @@ def test_rope_write_kv(N, H, G, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("N,H,C,R", [(1, 16, 512, 64), (5, 3, 32, 8), (9, 128, 512, 64)])
+def test_mla_prepare(N, H, C, R, interleave, dtype):
+    """MLA's latent norm + rope key + cache write + the queries' rope, in one kernel, against rms_norm, rope_ and
+    index_copy_ (the queries' rope part a strided view of the q projection, as the model passes it)."""
+    gen = _gen("mla_prepare", N, H, C, R, interleave)
+    S = 64
+    q_full = _randn(gen, N, H, 32 + R, dtype=dtype)
+    kv_a = _randn(gen, N, C + R + 8, dtype=dtype)[:, :C + R]  # a view into a wider projection output
+    w = (1 + 0.1 * torch.randn(C, generator=gen)).to(DEVICE, dtype)
+    angles = torch.rand(300, R // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    pos = torch.randint(0, 300, (N,), generator=gen).to(DEVICE)
+    slots = torch.randperm(S, generator=gen)[:N].to(DEVICE)
+    c_ref = _randn(gen, S, C + R, dtype=dtype)
+    c_got, q_ref, q_got = c_ref.clone(), q_full.clone(), q_full.clone()
+    ops.mla_prepare_(q_ref[..., 32:], kv_a.clone(), w, 1e-6, cos, sin, pos, slots, c_ref, interleave)
+    kernels.mla_prepare_(q_got[..., 32:], kv_a.clone(), w, 1e-6, cos, sin, pos, slots, c_got, interleave)
+    assert _rel(q_got, q_ref) < TOL[dtype]
+    assert _rel(c_got, c_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,H,G,D,block_size,M", GQA_CASES)
 def test_paged_decode_gqa(B, H, G, D, block_size, M, dtype):
     gen = _gen("gqa", B, H, G, D, block_size, M)

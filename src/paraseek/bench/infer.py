@@ -81,23 +81,16 @@ def measure_ceilings(device) -> dict[str, float]:
 
 
 def step_cost(engine, ceilings: dict[str, float]) -> StepCost:
-    from paraseek.models.deepseek import Experts
-
     a = engine.args
-    model = engine.runner.model
-    elt = engine.runner.dtype.itemsize
-    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
-    embed = model.embed_tokens.weight.numel()
-    dense = sum(p.numel() for p in model.parameters()) - experts - embed  # the embedding: one row per token
-    if getattr(model, "tp_head_w", None) is not None:
-        dense += model.tp_head_w.numel()
+    b = engine.runner.model.decode_bytes()  # this rank's weights by how a decode step reads them (infer/model.py)
     E, K = max(a.n_routed_experts, 1), a.n_activated_experts
     frac = (lambda n: 1 - (1 - K / E) ** n) if a.n_routed_experts else (lambda n: 0.0)
-    active_experts = experts * (K / E) if a.n_routed_experts else 0
+    elt = engine.runner.dtype.itemsize
+    active = (b["dense"] + b["routed"] * (K / E if a.n_routed_experts else 0)) / elt  # parameters a token multiplies
     qk = a.kv_lora_rank + a.qk_rope_head_dim if a.is_mla else a.head_dim  # absorbed MLA decode reads the latent
     v = a.kv_lora_rank if a.is_mla else a.head_dim
     heads = a.n_heads // engine.tp
-    return StepCost(dense * elt, experts * elt, frac, engine.report.bytes_per_token, 2 * (dense + active_experts),
+    return StepCost(b["dense"], b["routed"], frac, engine.report.bytes_per_token, 2 * active,
                     2 * a.n_layers * heads * (qk + v), ceilings["hbm_gbps"] * 1e9, ceilings["matmul_tflops"] * 1e12)
 
 
@@ -264,6 +257,12 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
     from paraseek.infer.load import resolve_source
 
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
+    if ns.layers is not None:
+        if not ns.random_weights:
+            raise UserError("--layers cuts the architecture's layer count: it needs --random-weights")
+        if not 1 <= ns.layers <= src.args.n_layers:
+            raise UserError(f"--layers must be in 1..{src.args.n_layers} (the model's layers), got {ns.layers}")
+        src.args = src.args.replace(n_layers=ns.layers, n_mtp_layers=0)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
     check_workloads(ns, engine_config(ns).context_length(src.args))
@@ -276,10 +275,11 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
     pl = place(ns, device)
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k))
     t0 = time.perf_counter()
+    # Before the engine: the measurement's 2 GiB of buffers must not compete with the KV pool, which takes what is left.
+    ceilings = measure_ceilings(torch.device(pl.device))
     engine = build_engine(ns, src, pl, log=log)
     log(engine.report.line() + f" | load {engine.report.extra.get('load_s', 0):.1f} s, "
         f"graphs {engine.report.extra.get('graphs', 0)} in {engine.report.extra.get('graphs_s', 0):.1f} s", flush=True)
-    ceilings = measure_ceilings(engine.device)
     result = {"model": ns.model, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": str(engine.runner.dtype).removeprefix("torch."),
               "engine": {"max_num_seqs": engine.cfg.max_num_seqs, "max_batched_tokens": engine.cfg.max_batched_tokens,
@@ -363,6 +363,8 @@ def register(subparsers) -> None:
     p.add_argument("--concurrency", default="1,8,32,64,128,256", help="concurrency sweep (default 1,8,32,64,128,256)")
     p.add_argument("--concurrency-input", type=int, default=128, help="concurrency: prompt tokens (default 128)")
     p.add_argument("--concurrency-output", type=int, default=128, help="concurrency: new tokens (default 128)")
+    p.add_argument("--layers", type=int, help="with --random-weights: only the first N layers of the architecture "
+                   "(the dense ones it starts with included), a model cut to fit one GPU with its layers' shapes intact")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="FILE.png", help="decode throughput vs concurrency with its roofline")
     p.set_defaults(func=cmd_bench_infer)

@@ -46,8 +46,9 @@ the online softmax (Milakov & Gimelshein 2018: a running max and sum, rescaling 
   were 4-9% faster at large batch but 1.3x (GQA) and 1.5x (MLA) slower at B=1 x 4K; partitions of 128 were 3-17%
   slower at large batch and faster only for MLA at B=1 x 4K (25 us): 256 is the compromise.
 
-  Short GQA contexts (at most SHORT_CONTEXT = 512 tokens) use partitions of SHORT_PARTITION = 64 tokens instead,
-  still a function of ctx alone. Measured on the 8B shape (32 layers, H=32 G=8 D=128), CUDA-graph replays
+  Short contexts (at most SHORT_CONTEXT = 512 tokens) use partitions of SHORT_PARTITION = 64 tokens instead,
+  still a function of ctx alone, for GQA and MLA alike (MLA at batch 1 over 128 + 256 tokens: two 256-token
+  partitions took 22 us a layer on DeepSeek-V2-Lite's shape, one program per partition). Measured on the 8B shape (32 layers, H=32 G=8 D=128), CUDA-graph replays
   (scripts/gpu/decode_profile.py, 2026-12-01): batch 1 at 128 + 256 tokens 4.67 -> 4.52 ms per step (the kernel
   9.3 us a layer at 256-token partitions: 16 programs, latency-bound); batch 256 at 256 + 256 tokens 11.8 -> 12.9
   ms (+9%: partials and the combine pass for contexts that were one partition). Partitions of 128 gave 4.57 and
@@ -298,6 +299,82 @@ def rope_write_kv_(qkv_NX: torch.Tensor, n_heads: int, n_kv_heads: int, cos_PR: 
     return None
 
 
+@triton.jit
+def _mla_prepare_kernel(q_ptr, kva_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, c_ptr,
+                        stride_qn, stride_qh, stride_kn, stride_cp, stride_sp, stride_cs, H, C, HALF, eps,
+                        INTERLEAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_HALF: tl.constexpr):
+    # One token: its latent normalized (as _rms_norm_kernel: fp32, rounded to the input's dtype, then the weight),
+    # its rope key and all H query rope parts rotated (as _rope_kernel), the cache row written.
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    offs_C = tl.arange(0, BLOCK_C)
+    mask_C = offs_C < C
+    x_C = tl.load(kva_ptr + n * stride_kn + offs_C, mask=mask_C, other=0.0)
+    x32_C = x_C.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32_C * x32_C, axis=0) / C + eps)
+    w_C = tl.load(w_ptr + offs_C, mask=mask_C, other=0.0).to(tl.float32)
+    lat_C = w_C * (x32_C * rstd).to(x_C.dtype).to(tl.float32)
+    tl.store(c_ptr + slot * stride_cs + offs_C, lat_C.to(c_ptr.dtype.element_ty), mask=mask_C)
+
+    pos = tl.load(pos_ptr + n).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    mask_j = j < HALF
+    cos_J = tl.load(cos_ptr + pos * stride_cp + j, mask=mask_j, other=0.0).to(tl.float32)
+    sin_J = tl.load(sin_ptr + pos * stride_sp + j, mask=mask_j, other=0.0).to(tl.float32)
+    if INTERLEAVE:
+        x1_off = 2 * j
+        x2_off = 2 * j + 1
+    else:
+        x1_off = j
+        x2_off = j + HALF
+    # The rope key: read from kv_a, written to the cache in half-split order (kv_a itself is not needed after).
+    k_row = kva_ptr + n * stride_kn + C
+    k1 = tl.load(k_row + x1_off, mask=mask_j, other=0.0).to(tl.float32)
+    k2 = tl.load(k_row + x2_off, mask=mask_j, other=0.0).to(tl.float32)
+    c_row = c_ptr + slot * stride_cs + C
+    tl.store(c_row + j, (k1 * cos_J - k2 * sin_J).to(c_ptr.dtype.element_ty), mask=mask_j)
+    tl.store(c_row + HALF + j, (k2 * cos_J + k1 * sin_J).to(c_ptr.dtype.element_ty), mask=mask_j)
+
+    # The queries' rope parts, in place, in tiles of heads.
+    for h0 in range(0, H, BLOCK_H):
+        offs_H = h0 + tl.arange(0, BLOCK_H)
+        mask_HJ = (offs_H < H)[:, None] & mask_j[None, :]
+        row_H = q_ptr + n * stride_qn + offs_H.to(tl.int64) * stride_qh
+        x1 = tl.load(row_H[:, None] + x1_off[None, :], mask=mask_HJ, other=0.0).to(tl.float32)
+        x2 = tl.load(row_H[:, None] + x2_off[None, :], mask=mask_HJ, other=0.0).to(tl.float32)
+        o1 = x1 * cos_J[None, :] - x2 * sin_J[None, :]
+        o2 = x2 * cos_J[None, :] + x1 * sin_J[None, :]
+        tl.debug_barrier()  # every load of this tile before its in-place stores
+        tl.store(row_H[:, None] + j[None, :], o1.to(q_ptr.dtype.element_ty), mask=mask_HJ)
+        tl.store(row_H[:, None] + (j + HALF)[None, :], o2.to(q_ptr.dtype.element_ty), mask=mask_HJ)
+
+
+def mla_prepare_(q_pe_NHR: torch.Tensor, kv_a_NX: torch.Tensor, w_C: torch.Tensor, eps: float, cos_PR: torch.Tensor,
+                 sin_PR: torch.Tensor, positions_N: torch.Tensor, slots_N: torch.Tensor, c_SX: torch.Tensor,
+                 interleave: bool) -> None:
+    N, H, R = q_pe_NHR.shape
+    C = w_C.shape[0]
+    if R % 2 or q_pe_NHR.stride(-1) != 1 or kv_a_NX.stride(-1) != 1 or c_SX.stride(-1) != 1:
+        raise ValueError("mla_prepare_: q_pe, kv_a and the cache need a contiguous last dim, the rope dim even")
+    if kv_a_NX.shape[1] != C + R or c_SX.shape[1] != C + R:
+        raise ValueError(f"mla_prepare_: kv_a and the cache rows must be C + R = {C + R} wide")
+    if N == 0:
+        return None
+    cos_PR = cos_PR if cos_PR.stride(-1) == 1 else cos_PR.contiguous()
+    sin_PR = sin_PR if sin_PR.stride(-1) == 1 else sin_PR.contiguous()
+    w_C = w_C if w_C.stride(0) == 1 else w_C.contiguous()
+    half = R // 2
+    block_half = _pow2(half)
+    block_h = min(_pow2(H), max(1, 2048 // block_half))
+    _mla_prepare_kernel[(N,)](
+        q_pe_NHR, kv_a_NX, w_C, cos_PR, sin_PR, positions_N, slots_N, c_SX,
+        q_pe_NHR.stride(0), q_pe_NHR.stride(1), kv_a_NX.stride(0), cos_PR.stride(0), sin_PR.stride(0), c_SX.stride(0),
+        H, C, half, eps, INTERLEAVE=bool(interleave), BLOCK_C=_pow2(C), BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=4)
+    return None
+
+
 # ---- paged decode attention ------------------------------------------------------------------------------------------
 @triton.jit
 def _partition_len(ctx, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr, SHORT_PARTITION: tl.constexpr,
@@ -461,8 +538,8 @@ def _combine_partitions_kernel(o_part_ptr, lse_ptr, ctx_ptr, out_ptr,
 
 
 def _short(gqa: bool) -> tuple[int, int]:
-    """(SHORT_PARTITION, SHORT_CONTEXT) of a kernel: GQA's, or off (MLA)."""
-    return (SHORT_PARTITION, SHORT_CONTEXT) if gqa and SHORT_PARTITION and SHORT_CONTEXT else (PARTITION, 0)
+    """(SHORT_PARTITION, SHORT_CONTEXT) of a kernel (the same rule for GQA and MLA), or off."""
+    return (SHORT_PARTITION, SHORT_CONTEXT) if SHORT_PARTITION and SHORT_CONTEXT else (PARTITION, 0)
 
 
 def _num_partitions(block_tables_BM: torch.Tensor, block_size: int, gqa: bool) -> int:

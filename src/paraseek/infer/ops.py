@@ -93,6 +93,25 @@ def rope_write_kv_(qkv_NX: torch.Tensor, n_heads: int, n_kv_heads: int, cos_PR: 
     kv_S2GD.index_copy_(0, slots_N, qkv_NX[:, n_heads * D:].view(N, 2, G, D))
 
 
+def mla_prepare_(q_pe_NHR: torch.Tensor, kv_a_NX: torch.Tensor, w_C: torch.Tensor, eps: float, cos_PR: torch.Tensor,
+                 sin_PR: torch.Tensor, positions_N: torch.Tensor, slots_N: torch.Tensor, c_SX: torch.Tensor,
+                 interleave: bool) -> None:
+    """MLA's per-token work between the input projection and attention: the latent kv_a[:, :C] RMS-normalized,
+    the shared rope key kv_a[:, C:] rotated, both written to the token's cache row (c_SX[slot] = [latent | k_pe]),
+    and the queries' rope part q_pe rotated in place. One kernel on CUDA (five launches otherwise)."""
+    if _KERNELS:
+        from paraseek.infer import kernels
+
+        return kernels.mla_prepare_(q_pe_NHR, kv_a_NX, w_C, eps, cos_PR, sin_PR, positions_N, slots_N, c_SX,
+                                    interleave)
+    C = w_C.shape[0]
+    latent_NC = rms_norm(kv_a_NX[:, :C], w_C, eps)
+    k_pe_N1R = kv_a_NX[:, C:].unsqueeze(1)
+    rope_(q_pe_NHR, cos_PR, sin_PR, positions_N, interleave)
+    rope_(k_pe_N1R, cos_PR, sin_PR, positions_N, interleave)
+    c_SX.index_copy_(0, slots_N, torch.cat([latent_NC, k_pe_N1R[:, 0]], dim=-1).to(c_SX.dtype))
+
+
 # ---- paged decode attention ------------------------------------------------------------------------------------------
 def _gather_context(cache_S_: torch.Tensor, block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor,
                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

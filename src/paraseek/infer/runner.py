@@ -1,9 +1,5 @@
-"""The model forward over a step's flattened tokens and the paged cache, on one tp rank.
-
-The model (models/deepseek.py) stays single-device math; this file applies the cache from outside: it reads the
-model's weights (fused where one read beats several: q|k|v, gate|up, MLA's two projections of the block input),
-runs the same pre-norm block (x + attn(norm(x)), then x + mlp(norm(x))) with attention over the cache, and only the
-rows that are sampled go through the final norm and the head. MoE layers call the model's own MoE module.
+"""The runner: a step's inputs from the host to the device, the inference model's forward over them (infer/model.py)
+and the paged cache it reads and writes.
 
 Decode-only steps replay CUDA graphs captured per (batch bucket, block-table width); everything else runs eagerly.
 """
@@ -15,14 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-from paraseek.infer import ops
-from paraseek.infer.attention import prefill_attention
 from paraseek.infer.cache import KVCache
-from paraseek.models.deepseek import MLA, MoE, Transformer
+from paraseek.infer.model import InferenceModel
 
 
 @dataclass
@@ -94,47 +85,19 @@ class HostBatch:
 
 
 class ModelRunner:
-    """Weights of one tp rank, the cache, and the forward. `tp_group` is None without tensor parallelism."""
+    """The inference model of one tp rank (infer/model.py), its cache, the step's inputs on the device and the CUDA
+    graphs of decode steps."""
 
-    def __init__(self, model: Transformer, max_model_len: int, block_size: int, tp_group=None):
+    def __init__(self, model: InferenceModel, max_model_len: int, block_size: int):
         self.model, self.args = model, model.args
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.tp_group = tp_group
-        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.tp = model.tp
+        self.device, self.dtype = model.device, model.dtype
         self.cache: KVCache | None = None
         self.vocab_size = self.args.vocab_size
-        self._prepare_weights()
-        inv_freq = model.rope_inv_freq.to(self.device, torch.float32)
-        angles_PR = torch.outer(torch.arange(max_model_len, device=self.device, dtype=torch.float32), inv_freq)
-        self.cos_PR = angles_PR.cos() * model.rope_attn_factor
-        self.sin_PR = angles_PR.sin() * model.rope_attn_factor
+        model.set_positions(max_model_len)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_batch_sizes: list[int] = []
-
-    # ---- weights -----------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _prepare_weights(self) -> None:
-        """One fused weight per group of projections that read the same input; the modules' weights become views of
-        it, so the model's own forward still works and nothing is stored twice."""
-        for layer in self.model.layers.values():
-            attn = layer.self_attn
-            if isinstance(attn, MLA):
-                first = attn.q_a_proj if attn.q_lora_rank else attn.q_proj
-                _fuse([first, attn.kv_a_proj_with_mqa], attn, "fused_in")
-                H = attn.kv_b_proj.weight.shape[0] // (attn.nope_dim + attn.v_dim)
-                w_HXC = attn.kv_b_proj.weight.view(H, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
-                attn.w_uk_HDC = w_HXC[:, :attn.nope_dim]  # q_nope -> latent space (absorbed into the query)
-                attn.w_uv_HCV = w_HXC[:, attn.nope_dim:].transpose(1, 2)  # attended latent -> each head's value
-            else:
-                _fuse([attn.q_proj, attn.k_proj, attn.v_proj], attn, "qkv")
-            if not isinstance(layer.mlp, MoE):
-                _fuse([layer.mlp.gate_proj, layer.mlp.up_proj], layer.mlp, "gate_up")
-        m = self.model
-        self.head_w = m.lm_head.weight if m.lm_head is not None else m.embed_tokens.weight
-        if getattr(m, "tp_head_w", None) is not None:  # tensor parallel: this rank's vocab rows (infer/tp.py)
-            self.head_w = m.tp_head_w
 
     # ---- the cache -----------------------------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, shape) -> None:
@@ -143,109 +106,8 @@ class ModelRunner:
     # ---- forward -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, b: StepBatch, logits_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [n_sample, vocab] of the rows b.logits_idx (written into `logits_out` when given: the CUDA graphs
-        share one output buffer instead of keeping one each)."""
-        layers = list(self.model.layers.values())
-        x_NE = self.model.embed_tokens(b.input_ids)
-        h_NE = ops.rms_norm(x_NE, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
-        for i, layer in enumerate(layers):
-            a_NE = self._attention(i, layer.self_attn, h_NE, b)
-            self._all_reduce(a_NE)
-            ln = layer.post_attention_layernorm
-            h_NE = ops.add_rms_norm(a_NE, x_NE, ln.weight, ln.eps)
-            m_NE = self._mlp(layer.mlp, h_NE)
-            self._all_reduce(m_NE)
-            if i + 1 < len(layers):
-                ln = layers[i + 1].input_layernorm
-                h_NE = ops.add_rms_norm(m_NE, x_NE, ln.weight, ln.eps)
-            else:
-                x_NE.add_(m_NE)
-        final = self.model.norm
-        h_SE = ops.rms_norm(x_NE if b.every_row else x_NE[b.logits_idx], final.weight, final.eps)
-        if logits_out is not None and self.tp == 1:
-            return torch.mm(h_SE, self.head_w.t(), out=logits_out)
-        logits_SV = self._gather_vocab(F.linear(h_SE, self.head_w))
-        return logits_out.copy_(logits_SV) if logits_out is not None else logits_SV
-
-    def _mlp(self, mlp: nn.Module, h_NE: torch.Tensor) -> torch.Tensor:
-        if isinstance(mlp, MoE):
-            return mlp(h_NE)
-        return F.linear(ops.silu_mul(F.linear(h_NE, mlp.gate_up)), mlp.down_proj.weight)
-
-    def _attention(self, i: int, attn: nn.Module, h_NE: torch.Tensor, b: StepBatch) -> torch.Tensor:
-        if isinstance(attn, MLA):
-            return self._mla(i, attn, h_NE, b)
-        N, D = h_NE.shape[0], attn.head_dim
-        qkv = F.linear(h_NE, attn.qkv, attn.qkv_bias)
-        H = attn.q_proj.weight.shape[0] // D
-        G = attn.k_proj.weight.shape[0] // D
-        q_NHD = qkv[:, :H * D].view(N, H, D)
-        # One launch rotates q and k in the fused output and writes k and v into the cache.
-        ops.rope_write_kv_(qkv, H, G, self.cos_PR, self.sin_PR, b.positions, b.slots, self.cache.kv[i])
-        k_SGD, v_SGD = self.cache.k[i], self.cache.v[i]
-        nd = b.n_decode
-        if nd == N:  # decode-only (every CUDA-graph step): the kernel's output is the attention output
-            o_NHD = ops.paged_decode_gqa(q_NHD, k_SGD, v_SGD, b.block_tables, b.context_lens, self.block_size,
-                                         attn.softmax_scale)
-            return F.linear(o_NHD.view(N, H * D), attn.o_proj.weight, attn.o_proj.bias)
-        o_NHD = q_NHD.new_empty((N, H, D))
-        if nd:
-            o_NHD[:nd] = ops.paged_decode_gqa(q_NHD[:nd], k_SGD, v_SGD, b.block_tables, b.context_lens,
-                                              self.block_size, attn.softmax_scale)
-        if nd < N:
-            o_NHD[nd:] = prefill_attention(q_NHD[nd:], k_SGD[b.k_slots], v_SGD[b.k_slots], b.cu_q, b.cu_k,
-                                           max(q for q, _ in b.lens), max(k for _, k in b.lens), b.lens,
-                                           attn.softmax_scale)
-        return F.linear(o_NHD.view(N, H * D), attn.o_proj.weight, attn.o_proj.bias)
-
-    def _mla(self, i: int, attn: MLA, h_NE: torch.Tensor, b: StepBatch) -> torch.Tensor:
-        N, C, R, nope, Dv = h_NE.shape[0], attn.kv_lora_rank, attn.rope_dim, attn.nope_dim, attn.v_dim
-        y = F.linear(h_NE, attn.fused_in)
-        if attn.q_lora_rank:
-            q_a, kv_a = y.split([attn.q_lora_rank, C + R], dim=-1)
-            q = F.linear(ops.rms_norm(q_a, attn.q_a_layernorm.weight, attn.q_a_layernorm.eps), attn.q_b_proj.weight)
-        else:
-            q, kv_a = y.split([y.shape[-1] - C - R, C + R], dim=-1)
-        q_NHX = q.view(N, -1, nope + R)
-        H = q_NHX.shape[1]
-        q_pe_NHR = q_NHX[..., nope:]
-        latent_NC = ops.rms_norm(kv_a[:, :C], attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
-        k_pe_N1R = kv_a[:, C:].unsqueeze(1)
-        ops.rope_(q_pe_NHR, self.cos_PR, self.sin_PR, b.positions, attn.interleave)
-        ops.rope_(k_pe_N1R, self.cos_PR, self.sin_PR, b.positions, attn.interleave)
-        c_SX = self.cache.k[i]
-        c_SX.index_copy_(0, b.slots, torch.cat([latent_NC, k_pe_N1R[:, 0]], dim=-1))
-        o_NHV = h_NE.new_empty((N, H, Dv))
-        nd = b.n_decode
-        if nd:
-            # Absorbed (DeepSeek-V2 appendix C): W_UK folded into the query, W_UV applied after attention, so the
-            # keys and values are the cached latent itself: [H, nd, nope] @ [H, nope, C] -> [H, nd, C].
-            q_lat_HnC = torch.bmm(q_NHX[:nd, :, :nope].transpose(0, 1), attn.w_uk_HDC)
-            o_lat_nHC = ops.paged_decode_mla(q_lat_HnC.transpose(0, 1), q_pe_NHR[:nd], c_SX, b.block_tables,
-                                             b.context_lens, self.block_size, attn.softmax_scale)
-            o_NHV[:nd] = torch.bmm(o_lat_nHC.transpose(0, 1), attn.w_uv_HCV).transpose(0, 1)
-        if nd < N:
-            # Expanded (the model's own form): the context's latents through kv_b_proj to per-head keys and values.
-            ctx_KX = c_SX[b.k_slots]
-            kv_KHX = F.linear(ctx_KX[:, :C], attn.kv_b_proj.weight).view(-1, H, nope + Dv)
-            K = kv_KHX.shape[0]
-            k_KHD = torch.cat([kv_KHX[..., :nope], ctx_KX[:, None, C:].expand(K, H, R)], dim=-1)
-            o_NHV[nd:] = prefill_attention(q_NHX[nd:], k_KHD, kv_KHX[..., nope:], b.cu_q, b.cu_k,
-                                           max(q for q, _ in b.lens), max(k for _, k in b.lens), b.lens,
-                                           attn.softmax_scale)
-        return F.linear(o_NHV.reshape(N, H * Dv), attn.o_proj.weight)
-
-    # ---- tensor parallel --------------------------------------------------------------------------------------------
-    def _all_reduce(self, x: torch.Tensor) -> None:
-        if self.tp > 1:
-            dist.all_reduce(x, group=self.tp_group)
-
-    def _gather_vocab(self, logits_SV: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return logits_SV
-        parts = [torch.empty_like(logits_SV) for _ in range(self.tp)]
-        dist.all_gather(parts, logits_SV.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=-1)[:, :self.vocab_size]
+        """Logits [n_sample, vocab] of the rows b.logits_idx (into `logits_out` when given)."""
+        return self.model.forward(b, self.cache, logits_out)
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------------
     def graph_key(self, b: HostBatch) -> tuple[int, int] | None:
@@ -341,20 +203,3 @@ def _patch_ids(ids_N: torch.Tensor, patch) -> None:
     dev = ids_N.device
     ids_N.index_copy_(0, _to_device(torch.tensor(rows, dtype=torch.int64), dev),
                       tokens.index_select(0, _to_device(torch.tensor(src, dtype=torch.int64), dev)))
-
-
-def _fuse(linears: list[nn.Linear], owner: nn.Module, name: str) -> None:
-    """Concatenate linears that read the same input into `owner.<name>` (and `<name>_bias`); each linear's weight
-    (and bias) becomes a view of its rows."""
-    w = torch.cat([lin.weight for lin in linears], dim=0)
-    biases = [lin.bias for lin in linears]
-    b = torch.cat(biases, dim=0) if all(x is not None for x in biases) else None
-    setattr(owner, name, w)
-    setattr(owner, name + "_bias", b)
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(w[row:row + n], requires_grad=False)
-        if b is not None:
-            lin.bias = nn.Parameter(b[row:row + n], requires_grad=False)
-        row += n

@@ -2,7 +2,8 @@
 
 Memory per GPU, as the engine (infer/engine.py) sizes its KV pool: of gpu_memory_utilization x the GPU's memory,
 take the weights / tp (norms, MLA's low-rank down-projections and the router whole; the embedding whole, the head
-split by vocabulary), the CUDA context, and the largest step's workspace with the engine's 10% margin -- a
+split by vocabulary), the CUDA context, the CUDA graphs' pool (the largest decode step's workspace), and the
+largest step's workspace with the engine's 10% margin -- a
 max_batched_tokens prefill through one layer at a time (the residual stream, the fused projections' outputs, the
 attention output, the MLP's gate|up and its product; MoE: K routed copies of each token), plus the sampler's fp32
 logits of max_num_seqs rows (a few copies: softmax, sort for top-p) -- and the rest is KV cache. KV cache per token
@@ -28,6 +29,8 @@ WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # fp16: GPUs without bf16 (V100
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION = 8192, 256, 0.9
 SAMPLER_LOGIT_COPIES = 4  # fp32 logits, their softmax, the sorted copy and its cumulative sum (top-p)
 WORKSPACE_MARGIN = 1.1  # the engine keeps 10% of the measured workspace in reserve
+# infer/kernels.py's split-KV partitions: PARTITION, MAX_PARTITIONS, and SHORT_PARTITION up to SHORT_CONTEXT tokens
+DECODE_PARTITION, DECODE_MAX_PARTITIONS, DECODE_SHORT_PARTITION, DECODE_SHORT_CONTEXT = 256, 64, 64, 512
 
 
 @dataclass
@@ -53,8 +56,9 @@ def kv_bytes_per_token(a: ModelArgs, tp: int) -> float:
 
 
 def step_workspace_bytes(a: ModelArgs, tp: int, max_batched_tokens: int = MAX_BATCHED_TOKENS,
-                         max_num_seqs: int = MAX_NUM_SEQS) -> float:
-    """The largest step's transient memory on one tp rank (the engine measures it with a profiling step)."""
+                         max_num_seqs: int = MAX_NUM_SEQS, seq_len: int = 0) -> float:
+    """The largest step's transient memory on one tp rank (the engine measures it with a profiling step: the
+    largest prefill, then the largest decode batch with sampling; the peak is the larger of the two)."""
     D, Dh = a.dim, a.head_dim
     if a.is_mla:
         H = a.n_heads / tp
@@ -70,7 +74,20 @@ def step_workspace_bytes(a: ModelArgs, tp: int, max_batched_tokens: int = MAX_BA
         mlp = max(mlp, moe)
     per_token = BF16 * (3 * D + proj + mlp)
     logits = max_num_seqs * a.vocab_size * FP32 * SAMPLER_LOGIT_COPIES
-    return max_batched_tokens * per_token + logits
+    return max(max_batched_tokens * per_token, decode_workspace_bytes(a, tp, max_num_seqs, seq_len) + logits)
+
+
+def decode_workspace_bytes(a: ModelArgs, tp: int, max_num_seqs: int, seq_len: int) -> float:
+    """The paged decode kernels' split-KV partials at max_num_seqs sequences of seq_len tokens' block tables (fp32,
+    one row per head and partition: infer/kernels.py's PARTITION tokens each, at most MAX_PARTITIONS), which the
+    widest CUDA graph keeps: [B, H, P, C] for MLA's latent, [B, H, P, D] for GQA, plus the log-sum-exps."""
+    partitions = max(min(DECODE_MAX_PARTITIONS, -(-seq_len // DECODE_PARTITION)),
+                     -(-min(seq_len, DECODE_SHORT_CONTEXT) // DECODE_SHORT_PARTITION))
+    if partitions <= 1:
+        return 0.0
+    H = a.n_heads / tp
+    width = a.kv_lora_rank if a.is_mla else a.head_dim
+    return max_num_seqs * H * partitions * (width + 1) * FP32
 
 
 def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = None,
@@ -89,7 +106,11 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
         experts = sum(x.params_experts for x in L) / tp
         weights = wb * (dense + experts)
         kv = kv_bytes_per_token(a, tp)
-        workspace = WORKSPACE_MARGIN * step_workspace_bytes(a, tp, max_batched_tokens, max_num_seqs)
+        # The largest step's workspace with the engine's margin, and beside it the CUDA graphs' private pool, which
+        # keeps the largest decode step's (its split-KV partials and the sampler's logits) for the engine's life.
+        graphs = (decode_workspace_bytes(a, tp, max_num_seqs, seq_len)
+                  + max_num_seqs * a.vocab_size * FP32 * SAMPLER_LOGIT_COPIES)
+        workspace = WORKSPACE_MARGIN * step_workspace_bytes(a, tp, max_batched_tokens, max_num_seqs, seq_len) + graphs
         cap = c.memory_gib * GiB
         fixed = weights + workspace + CUDA_CONTEXT + ALLOCATOR_FRACTION * cap  # the engine's allowance for fragmentation
         free = gpu_memory_utilization * cap - fixed
