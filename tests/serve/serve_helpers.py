@@ -38,15 +38,19 @@ def _tokenizer_helpers():
     return mod
 
 
-def make_model_folder(root: Path) -> Path:
+def make_model_folder(root: Path, max_len: int | None = None) -> Path:
     """tiny-dense with random weights and DeepSeek-R1-Distill-Qwen's tokenizer files (its real chat template, the
     DeepSeek chat tokens as added tokens). The vocabulary is 2,112 instead of 2,048 so that the 15 added tokens
-    (ids 2048..2062) are ids the model can read and emit; everything else is the tiny-dense preset."""
+    (ids 2048..2062) are ids the model can read and emit; everything else is the tiny-dense preset, whose context is
+    512 tokens unless `max_len` says otherwise (a tool list in the prompt takes several hundred of the small
+    vocabulary's tokens)."""
     from paraseek.models import ModelArgs, build_model, preset_config, save_pretrained
 
     tok = _tokenizer_helpers().make_folder(root / "tokenizer", "deepseek_r1_distill_qwen")
     cfg = preset_config("tiny-dense")
     cfg["vocab_size"] = 2112
+    if max_len is not None:
+        cfg["max_position_embeddings"] = max_len
     torch.manual_seed(0)
     model = root / "tiny-r1"
     save_pretrained(build_model(ModelArgs.from_hf_config(cfg), "cpu", torch.float32), model)

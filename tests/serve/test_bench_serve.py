@@ -161,3 +161,24 @@ def test_a_server_without_a_tokenizer_streams_token_ids(capsys):
         assert run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"] and run["tpot_ms"]["p50"] > 0
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("mode,endpoint", [("json", "chat"), ("json", "completions"), ("tools", "chat")])
+def test_structured_requests(v3_server, capsys, mode, endpoint):
+    """--structured sends response_format or tools with tool_choice required; the outputs end where the grammar
+    does (no ignore_eos), so the token count is the server's usage of what was generated."""
+    m0 = v3_server.metrics()
+    doc = bench(capsys, v3_server.url, "--structured", mode, "--endpoint", endpoint, "--num-prompts", "3",
+                "--input-len", "6", "--output-len", "300", "--seed", "7")
+    m1 = v3_server.metrics()
+    (run,) = doc["runs"]
+    assert doc["structured"] == mode and run["completed"] == 3 and run["failed"] == {}
+    assert 3 <= run["output_tokens"] <= 3 * 300
+    generated = m1["paraseek_generation_tokens_total"] - m0["paraseek_generation_tokens_total"]
+    assert generated - run["output_tokens"] in range(1, 5)  # plus the untimed first request
+
+
+def test_structured_tools_need_chat(server, capsys):
+    assert main(["bench-serve", server.url, "--structured", "tools"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--structured tools needs --endpoint chat" in err and len(err.splitlines()) == 1, err

@@ -133,6 +133,25 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(folders):
     assert top1 == _outputs(engine, prompts, dataclasses.replace(GREEDY, max_tokens=12))
 
 
+def test_sampled_requests_overlap_their_steps_and_sample_as_synchronous_steps_do(folders):
+    """Temperature / top-p requests stay on the device between steps (the step overlap is kept), and their seeded
+    tokens are those of the same batch run with every step read back before the next."""
+    engine = _engine(folders["llama-mha"])
+    prompts = _prompts(4, seed=9)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    reqs = [engine.add_request(f"s{i}", p, dataclasses.replace(sampled)) for i, p in enumerate(prompts)]
+    in_flight = 0
+    while engine.has_work():
+        engine.step()
+        in_flight += engine._in_flight is not None
+    assert in_flight >= 12  # every decode step was launched before the previous one was read back
+    overlapped = [r.output_ids for r in reqs]
+    engine._host_sampled = 1  # as when a request with penalties is running: every step synchronous
+    synchronous = _outputs(engine, prompts, sampled)
+    engine._host_sampled = 0
+    assert overlapped == synchronous and all(len(o) == 12 for o in overlapped)
+
+
 def test_stop_tokens_and_lengths(folders):
     engine = _engine(folders["llama-mha"])
     prompt = _prompts(1, seed=5)[0]

@@ -12,6 +12,10 @@ ignore_eos + max_tokens. Every request streams, and per request we time:
   TTFT  arrival -> first chunk with output       ITL   gaps between output chunks
   e2e   arrival -> last chunk                    TPOT  (e2e - TTFT) / (output tokens - 1)
 
+With --structured json (response_format json_schema) or tools (chat with tools and tool_choice required) each
+request is grammar-constrained instead of forced with ignore_eos: the outputs end where the grammar does (or at
+max_tokens), so the output tokens are whatever the model wrote.
+
 Token counts are the server's own (stream_options.include_usage). Throughputs are over the run's wall time;
 goodput counts the requests meeting both --slo-ttft-ms and --slo-tpot-ms. Only httpx and the standard library: the
 GPU machine that runs the server need not have the openai package.
@@ -110,12 +114,42 @@ def _read_prompts(ns, rng, out_lo, out_hi) -> list[Job]:
     return jobs[:ns.num_prompts] if ns.num_prompts else jobs
 
 
+# --structured: what each request adds (a schema and a tool list of the sizes agents and extraction jobs send)
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}, "city": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8}, "verified": {"type": "boolean"}},
+    "required": ["name", "age", "city", "tags", "verified"], "additionalProperties": False}
+STRUCTURED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
+                                                                               "maximum": 14},
+                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city", "days", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search", "description": "Search the web.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "query": {"type": "string"}, "top_k": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 20}},
+                                          "required": ["query"], "additionalProperties": False}}}]
+
+
+def structured_fields(mode: str | None) -> dict[str, Any]:
+    if mode == "json":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "record",
+                                                                           "schema": STRUCTURED_SCHEMA}}}
+    if mode == "tools":
+        return {"tools": STRUCTURED_TOOLS, "tool_choice": "required"}
+    return {}
+
+
 # ---- one run --------------------------------------------------------------------------------------------------------
-async def _send(client, url: str, model: str, endpoint: str, job: Job, headers: dict) -> Result:
+async def _send(client, url: str, model: str, endpoint: str, job: Job, headers: dict,
+                extra: dict | None = None) -> Result:
     import httpx
 
-    body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "ignore_eos": True, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "ignore_eos": not extra,
+                            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                            **(extra or {})}
     body["messages" if endpoint == "chat" else "prompt"] = job.prompt
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     res = Result()
@@ -194,11 +228,11 @@ def _has_text(choice: dict) -> bool:
     if "text" in choice:
         return bool(choice["text"])
     delta = choice.get("delta") or {}
-    return bool(delta.get("content") or delta.get("reasoning_content"))
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
 async def run_once(url: str, model: str, endpoint: str, jobs: list[Job], rate: float, concurrency: int | None,
-                   headers: dict, seed: int, timeout: float) -> tuple[list[Result], float]:
+                   headers: dict, seed: int, timeout: float, extra: dict | None = None) -> tuple[list[Result], float]:
     import httpx
 
     gaps = random.Random(seed)
@@ -207,9 +241,9 @@ async def run_once(url: str, model: str, endpoint: str, jobs: list[Job], rate: f
 
     async def one(client, job: Job) -> Result:
         if limit is None:
-            return await _send(client, url, model, endpoint, job, headers)
+            return await _send(client, url, model, endpoint, job, headers, extra)
         async with limit:
-            return await _send(client, url, model, endpoint, job, headers)
+            return await _send(client, url, model, endpoint, job, headers, extra)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30), limits=limits) as client:
         t0 = time.perf_counter()
@@ -347,6 +381,9 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(ns, name)}")
     if ns.timeout <= 0:
         raise UserError(f"--timeout must be > 0, got {ns.timeout}")
+    if ns.structured == "tools" and ns.endpoint != "chat":
+        raise UserError("--structured tools needs --endpoint chat (tools are a chat field)")
+    extra = structured_fields(ns.structured)
     rate = parse_rate(ns.request_rate)
     # --sweep: the request rate, or the concurrency when --max-concurrency is given
     sweep = "concurrency" if ns.max_concurrency is not None else "rate"
@@ -378,18 +415,19 @@ def cmd_bench_serve(ns: argparse.Namespace) -> int:
     model = ns.model or served
     doc: dict[str, Any] = {"url": url, "model": model, "endpoint": ns.endpoint, "num_prompts": len(jobs),
                            "input_len": "file" if ns.prompts else ns.input_len, "output_len": ns.output_len,
-                           "seed": ns.seed, "sweep": sweep if ns.sweep else None,
+                           "seed": ns.seed, "sweep": sweep if ns.sweep else None, "structured": ns.structured,
                            "slo_ttft_ms": ns.slo_ttft_ms, "slo_tpot_ms": ns.slo_tpot_ms, "runs": []}
     # One untimed request first, as vLLM's bench does: it warms the server up, and a request the server refuses
     # (a wrong --model, a prompt too long for it) is one line here instead of N failures.
     probe = asyncio.run(run_once(url, model, ns.endpoint, [Job(probe_job.prompt, min(probe_job.max_tokens, 4))],
-                                 math.inf, None, headers, ns.seed, ns.timeout))[0][0]
+                                 math.inf, None, headers, ns.seed, ns.timeout, extra))[0][0]
     if not probe.ok:
         raise UserError(f"the first request failed ({probe.status}{': ' + probe.detail if probe.detail else ''})")
     for i, (r, c) in enumerate(points):
         jobs = point_jobs[min(i, len(point_jobs) - 1)]
         before = _prefix_counters(url, headers)
-        results, wall = asyncio.run(run_once(url, model, ns.endpoint, jobs, r, c, headers, ns.seed, ns.timeout))
+        results, wall = asyncio.run(run_once(url, model, ns.endpoint, jobs, r, c, headers, ns.seed, ns.timeout,
+                                             extra))
         doc["runs"].append(summarize(results, wall, r, c, ns.slo_ttft_ms, ns.slo_tpot_ms))
         after = _prefix_counters(url, headers)
         if before and after and after[1] > before[1]:  # a paraseek server: how much of the prefill it skipped
@@ -431,6 +469,10 @@ def register(subparsers) -> None:
                    "(default 128)")
     p.add_argument("--prompts", metavar="FILE.jsonl", help="one object a line: prompt (text), prompt_token_ids or "
                    "messages, optional max_tokens; replaces the random prompts (--num-prompts caps the count)")
+    p.add_argument("--structured", choices=["json", "tools"],
+                   help="grammar-constrained requests: json sends response_format json_schema (a five-field record), "
+                   "tools sends two tools with tool_choice required (chat); outputs then end where the grammar "
+                   "ends instead of being forced with ignore_eos")
     p.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrival gaps (default 0)")
     p.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")

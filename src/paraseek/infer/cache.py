@@ -3,16 +3,21 @@ cache of full blocks keyed by their contents (PagedAttention, Kwon et al. 2023; 
 
 Block 0 is never handed out: padded rows of a CUDA-graph batch write their K/V there.
 
-A full block is registered under the hash of (the previous block's hash, its token ids), so equal prefixes map to
-equal chains. A block whose last user finished stays cached until it is needed for new tokens; free blocks are
+A full block is registered under SHA-256 of (the previous block's hash, its token ids), so equal prefixes map to
+equal chains. The hash is collision-resistant because a hit serves the cached K/V without comparing tokens: with a
+64-bit hash (Python's hash() of the tuple) two different prefixes could share a key, and a request would be served
+another request's cache, another tenant's on a shared server (vLLM moved to SHA-256 for the same reason,
+CVE-2025-25183). A block whose last user finished stays cached until it is needed for new tokens; free blocks are
 reused least recently freed first, blocks that never held a full prefix before cached ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from paraseek.models.args import ModelArgs
@@ -63,8 +68,8 @@ class BlockPool:
             raise ValueError("the KV pool needs at least 2 blocks (block 0 is the padding block)")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.ref = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks  # the prefix hash a block is registered under
-        self.cached: dict[int, int] = {}  # prefix hash -> block id
+        self.hash_of: list[bytes | None] = [None] * num_blocks  # the prefix hash a block is registered under
+        self.cached: dict[bytes, int] = {}  # prefix hash -> block id
         # Blocks with ref 0, first out first. Never-registered blocks go to the front, registered ones to the back.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.hits = self.queries = 0  # prefix-cache hit rate, in blocks
@@ -101,20 +106,24 @@ class BlockPool:
 
     # ---- the prefix cache -------------------------------------------------------------------------------------------
     @staticmethod
-    def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
+    def chain_hash(parent: bytes | None, tokens) -> bytes:
+        """SHA-256 of the parent block's hash (32 zero bytes for the first block) and the block's token ids as
+        little-endian int64s: deterministic across processes, and no two prefixes share a key in practice."""
+        h = hashlib.sha256(parent if parent is not None else bytes(32))
+        h.update(np.asarray(tokens, dtype="<i8").tobytes())
+        return h.digest()
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: bytes) -> None:
         """Make a full block findable by later prompts (a second block with the same contents stays private)."""
         if self.prefix_caching and block_hash not in self.cached and self.hash_of[block] is None:
             self.cached[block_hash] = block
             self.hash_of[block] = block_hash
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
         """The longest chain of cached full blocks that starts `token_ids` (at most max_blocks), taken by the
         caller (reference counts raised): (block ids, their hashes)."""
         blocks: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         if not self.prefix_caching:
             return blocks, hashes
         bs, parent = self.block_size, None

@@ -29,7 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
     g.add_argument("--tokenizer", help="a tokenizer.json or a folder holding one (default: the model folder's, or the "
                    "one a checkpoint was trained with)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
+                   help="weights and activations (default: bfloat16 on GPUs of sm80 and newer, float16 on older "
+                   "ones, float32 on CPU)")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="default: cuda when available")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per model replica (default 1)")
     g.add_argument("--dp", type=int, default=1, help="model replicas (data parallel), each on --tp GPUs (default 1)")
@@ -72,6 +73,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated token ids that end a sequence, besides the model's end token")
     s.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens (benchmarks)")
     s.add_argument("--logprobs", type=int, help="also return the chosen token's and the N most likely log-probabilities")
+    s.add_argument("--json-schema", metavar="FILE.json", help="constrain every output to this JSON schema "
+                   "(grammar-constrained decoding with xgrammar; after a prompt that opens <think>, as R1's chat "
+                   "template does, the JSON follows the reasoning)")
 
 
 def _token_ids(text: str) -> list[int]:
@@ -278,17 +282,18 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
 
     from paraseek.infer.engine import Engine
     from paraseek.infer.load import load_model
+    from paraseek.infer.model import InferenceModel
+    from paraseek.infer.platform import for_device
 
-    dtype = {"auto": torch.bfloat16 if pl.device.startswith("cuda") else torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "float32": torch.float32}[ns.dtype]
+    platform = for_device(pl.device)
+    dtype = {"auto": platform.dtype, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}[ns.dtype]
+    platform.check_dtype(dtype)
     t0 = time.perf_counter()
-    model = load_model(src, dtype=dtype, device=pl.device, seed=ns.seed)
-    if ns.tp > 1:
-        from paraseek.infer.tp import shard_model
-
-        shard_model(model, pl.tp_rank, ns.tp)
-        if pl.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    # The whole training model, then laid out for inference with this rank's tp share (the rest is freed).
+    model = InferenceModel.from_training(load_model(src, dtype=dtype, device=pl.device, seed=ns.seed), pl.tp_group)
+    if pl.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     load_s = time.perf_counter() - t0
     tokenizer = load_tokenizer(src)
     engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
@@ -366,6 +371,25 @@ def read_prompts(ns: argparse.Namespace, tokenizer, vocab_size: int) -> list[Pro
     return out
 
 
+def _json_schema(path: str, tokenizer) -> dict:
+    """--json-schema FILE: a JSON schema object, compiled once here so that a bad one is one line."""
+    from paraseek.infer import structured
+
+    structured.require()
+    if tokenizer is None:
+        raise UserError("--json-schema needs the model's tokenizer; this model has none")
+    try:
+        schema = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise UserError(f"--json-schema {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--json-schema {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise UserError(f"--json-schema {path}: a JSON schema is an object")
+    structured.Backend(tokenizer, tokenizer.vocab_size, []).compile({"type": "json_schema", "schema": schema})
+    return schema
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from paraseek.infer.load import resolve_source
 
@@ -380,6 +404,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if given:  # the flags win over the folder's defaults: say what runs
         why = ("greedy" if base.greedy else ", ".join(given)) + " (flags)"
     prompts = read_prompts(ns, tokenizer, src.args.vocab_size)
+    schema = _json_schema(ns.json_schema, tokenizer) if ns.json_schema else None
     params = []
     max_len = cfg.context_length(src.args)
     for p in prompts:
@@ -389,6 +414,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             raise UserError(f"{p.where}: {e}") from None
         if ns.sampling_seed is not None and "seed" not in p.overrides:
             sp.seed = ns.sampling_seed + p.index
+        if schema is not None:
+            if sp.ignore_eos or sp.min_tokens:
+                raise UserError(f"{p.where}: --json-schema ends each output where the JSON ends: leave out "
+                                f"--ignore-eos and --min-tokens")
+            sp.structured = {"type": "json_schema", "schema": schema,
+                             "reasoning": bool(p.text and p.text.rstrip().endswith("<think>"))}
         if len(p.token_ids) + sp.max_tokens > max_len:
             raise UserError(f"{p.where} has {len(p.token_ids)} tokens; with {sp.max_tokens} new tokens that "
                             f"exceeds the context of {max_len} (--max-model-len, --max-new-tokens)")
@@ -401,7 +432,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     say(f"generate: {src.spec} ({src.kind}), tokenizer: {src.tokenizer_why}; sampling: {why}; "
         f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp} x dp {ns.dp} on {device}",
         file=sys.stderr, flush=True)
-    engine = build_engine(ns, src, pl)
+    engine = build_engine(ns, src, pl, log=lambda *a, **k: say(*a, file=sys.stderr, **k))
     if pl.rank == 0:
         print(engine.report.line(), file=sys.stderr, flush=True)
     t0 = time.perf_counter()

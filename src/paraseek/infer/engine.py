@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 
 from paraseek.errors import UserError
-from paraseek.infer import ops
+from paraseek.infer import attention, ops
 from paraseek.infer.cache import BlockPool, CacheShape
 from paraseek.infer.config import EngineConfig
+from paraseek.infer.model import InferenceModel
+from paraseek.infer.platform import for_device
 from paraseek.infer.runner import HostBatch, ModelRunner
 from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, sample
 from paraseek.planner.memory import ALLOCATOR_FRACTION
@@ -106,14 +108,18 @@ class Engine:
         self.max_model_len = cfg.context_length(self.args)
         self.tp_group, self.meta_group = tp_group, meta_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        self.runner = ModelRunner(model, self.max_model_len, cfg.block_size, tp_group)
+        if not isinstance(model, InferenceModel):  # a training model (whole): laid out for inference, this rank's share
+            model = InferenceModel.from_training(model, tp_group)
+        self.runner = ModelRunner(model, self.max_model_len, cfg.block_size)
         self.device = self.runner.device
-        if self.device.type == "cuda":
-            ops.use_kernels(True)
+        self.platform = for_device(self.device)
+        ops.use_kernels(self.platform.triton_kernels)
+        attention.USE_FLASH = self.platform.flash_prefill
+        log(self.platform.line())
         self.shape = CacheShape.of(self.args, self.tp)
         self.report = self._size_cache()
         self.runner.allocate_cache(self.report.num_blocks, self.shape)
-        if self.device.type == "cuda" and not cfg.enforce_eager:
+        if self.platform.cuda_graphs and not cfg.enforce_eager:
             t0 = time.perf_counter()
             try:
                 self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths())
@@ -135,7 +141,7 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_generated = self.num_prompt_tokens = 0
-        self._host_sampled = 0  # requests whose tokens are sampled on the host side: the steps do not overlap
+        self._host_sampled = 0  # requests that need host-side state to sample (penalties, log-probabilities...)
         self._in_flight: InFlight | None = None
         self._pinned_tokens = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
         self._flip = 0
@@ -158,15 +164,16 @@ class Engine:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             weights = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            self._profile_run()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
+            prefill_ws, decode_ws = (peak - weights for peak in self._profile_run())
+            peak = weights + max(prefill_ws, decode_ws)
             free, total = torch.cuda.mem_get_info()
             non_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, NCCL, cuBLAS workspaces
+            # The CUDA graphs' private pool keeps the largest decode step's workspace for the engine's life, beside
+            # whatever an eager (prefill) step then allocates: both are held back from the pool.
+            graphs = decode_ws if self.platform.cuda_graphs and not cfg.enforce_eager else 0
             # The caching allocator's rounding and fragmentation (planner.memory.ALLOCATOR_FRACTION): without it
             # the reserved memory of a long run creeps past the limit even when the allocated memory does not.
-            budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1
+            budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1 - graphs
                       - ALLOCATOR_FRACTION * total)
             if budget < block_bytes * 2:
                 raise UserError(
@@ -177,6 +184,7 @@ class Engine:
             rep.num_blocks = min(useful, int(budget // block_bytes) + 1)
             rep.weights_gib, rep.peak_gib, rep.total_gib = weights / GiB, peak / GiB, total / GiB
             rep.extra["non_torch_gib"] = non_torch / GiB
+            rep.extra["prefill_workspace_gib"], rep.extra["decode_workspace_gib"] = prefill_ws / GiB, decode_ws / GiB
             rep.extra["memory_tokens"] = int(budget // per_token)  # before the cap at what max_num_seqs can use
             rep.extra["planned_tokens"] = self._planned_tokens(total)
             rep.extra["allocator_fraction"] = max(0.05, cfg.gpu_memory_utilization - non_torch / total)
@@ -206,9 +214,10 @@ class Engine:
         return rows[0].max_context if rows else None
 
     @torch.no_grad()
-    def _profile_run(self) -> None:
+    def _profile_run(self) -> tuple[int, int]:
         """The largest step the scheduler can build, run once on a scratch cache: max_batched_tokens of prefill in
-        sequences of up to max_model_len tokens, then max_num_seqs decodes with sampling."""
+        sequences of up to max_model_len tokens, then max_num_seqs decodes of the longest block tables, with
+        sampling. Returns the peak allocated memory of each."""
         cfg, bs = self.cfg, self.cfg.block_size
         self.runner.allocate_cache(2, self.shape)
         N = cfg.max_batched_tokens
@@ -221,15 +230,24 @@ class Engine:
         pos = np.concatenate([np.arange(n) for n, _ in lens]) % bs  # slots of block 0 (scratch)
         li = np.cumsum([n for n, _ in lens]) - 1
         hb = HostBatch(zeros, pos, pos, 0, np.zeros((0, 1), np.int32), np.zeros(0, np.int32), lens, pos, li)
+        torch.cuda.reset_peak_memory_stats()
         self.runner.run(hb)
-        B = cfg.max_num_seqs
+        torch.cuda.synchronize()
+        prefill_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        # Block tables as wide as max_model_len allows: the decode kernels' split-KV workspace grows with the width,
+        # and the widest CUDA graph keeps that workspace for as long as the engine lives.
+        B, M = cfg.max_num_seqs, math.ceil(self.max_model_len / bs)
         hb = HostBatch(np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64), B,
-                       np.zeros((B, 1), np.int32), np.ones(B, np.int32), [], np.zeros(0, np.int64), np.arange(B))
+                       np.zeros((B, M), np.int32), np.ones(B, np.int32), [], np.zeros(0, np.int64), np.arange(B))
         logits = self.runner.run(hb)
         sample(logits, [SampleRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [])] * B)
         del logits
+        torch.cuda.synchronize()
+        decode_peak = torch.cuda.max_memory_allocated()
         self.runner.cache = None
         torch.cuda.empty_cache()  # the profile's blocks back to the device: the pool is one large allocation
+        return prefill_peak, decode_peak
 
     def _graph_batch_sizes(self) -> list[int]:
         sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
@@ -245,12 +263,23 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise UserError if the request can never run: too long for the context or for the whole cache."""
+        """Raise UserError if the request can never run: too long for the context or for the whole cache, a token
+        id outside the vocabulary, a grammar that does not compile."""
         params.validate()
         if not prompt_ids:
             raise UserError("the prompt is empty")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.args.vocab_size:
             raise UserError(f"prompt token ids must be in 0..{self.args.vocab_size - 1}")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            if any(t >= self.args.vocab_size for t in ids):
+                raise UserError(f"{name}: token ids must be in 0..{self.args.vocab_size - 1}")
+        if params.structured is not None:
+            from paraseek.infer import structured
+
+            if params.ignore_eos or params.min_tokens:
+                raise UserError("a structured output ends where its grammar ends: ignore_eos and min_tokens cannot "
+                                "be combined with it")
+            structured.backend_for(self.tokenizer, self.args.vocab_size, self.stop_token_ids).compile(params.structured)
         n = len(prompt_ids)
         if n + params.max_tokens > self.max_model_len:
             raise UserError(f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
@@ -260,24 +289,33 @@ class Engine:
             raise UserError(f"the request needs {need} KV blocks but the whole cache holds {self.pool.num_blocks - 1}")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stream_text: bool = False) -> Request:
+                    stream_text: bool = False, priority: int = 0) -> Request:
         """Queue a request. Its text is kept as it grows (`req.stream`) when asked or when it has stop strings;
-        stop strings need the tokenizer."""
+        stop strings need the tokenizer. Lower `priority` values are admitted first."""
         self.check_request(prompt_ids, params)
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already running")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
-        req = Request(request_id, list(prompt_ids), params, frozenset(stop))
-        req.plain_greedy = (params.greedy and not params.penalized and params.logprobs is None
-                            and params.min_tokens == 0)
+        req = Request(request_id, list(prompt_ids), params, frozenset(stop), priority=priority)
+        # Sampled from the logits alone (greedy, or temperature/top-k/top-p/min-p with its seed): the step's tokens
+        # can stay on the device, so steps overlap. Penalties, log-probabilities and min_tokens read the host, and so
+        # do masks and logit_bias (a grammar's mask is built on the host from the tokens so far): those requests take
+        # the synchronous step path.
+        req.device_sampled = (not params.penalized and params.logprobs is None and params.min_tokens == 0
+                              and not params.masked)
+        if params.structured is not None:
+            from paraseek.infer import structured
+
+            req.grammar = structured.backend_for(self.tokenizer, self.args.vocab_size,
+                                                 self.stop_token_ids).matcher(params.structured)
         if self.tokenizer is not None and (stream_text or params.stop):
             req.stream = TextStream(self.tokenizer, params)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
-        self._host_sampled += not req.plain_greedy
+        self._host_sampled += not req.device_sampled
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
@@ -297,11 +335,12 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one scheduler step; returns the requests that received a token (finished ones included).
 
-        When every request is plain greedy and the replica is one process, steps overlap (vLLM's async scheduling):
+        When every request is sampled from the logits alone (greedy, or temperature / top-k / top-p / min-p, seeded
+        or not) and the replica is one process, steps overlap (vLLM's async scheduling):
         a step is launched before the previous step's tokens are read back, its decode inputs taken from those
         tokens on the device, so the host's scheduling, input building and delivery run while the GPU computes. A
         token is then delivered one step after it was computed, and a request that ends on a stop token has run one
-        extra step whose token is dropped. Anything else (sampling, penalties, log-probabilities, tp > 1) reads
+        extra step whose token is dropped. Anything else (penalties, log-probabilities, min_tokens, tp > 1) reads
         each step back before the next."""
         if self._host_sampled or self.tp > 1:
             return self.flush() + self._step_synchronous()
@@ -324,7 +363,7 @@ class Engine:
         self._broadcast(hb)
         logits = self.runner.run(hb)
         items = [s for s in plan.items if s.sample]
-        if all(s.request.plain_greedy for s in items):
+        if all(s.request.device_sampled and s.request.params.greedy for s in items):
             out = Sampled(logits.argmax(dim=-1).tolist())
         else:
             out = sample(logits, [self._sample_row(s.request) for s in items])
@@ -345,8 +384,13 @@ class Engine:
         request's token_ids) until `_read_back`."""
         hb, (rows, src) = self._host_batch(plan)
         patch = (rows, src, prev.tokens) if rows else None  # decode inputs that are the previous step's tokens
-        tokens = self.runner.run(hb, patch).argmax(dim=-1)
+        logits = self.runner.run(hb, patch)
         items = [s for s in plan.items if s.sample]
+        if all(s.request.params.greedy for s in items):
+            tokens = logits.argmax(dim=-1)
+        else:  # on the device, each seeded request from its own generator; read back with the step's tokens
+            tokens = sample(logits, [SampleRow(s.request.params, [], [], s.request.generator) for s in items],
+                            to_host=False).token_ids
         for s in plan.items:
             s.request.num_computed = s.start + s.n
         positions = []
@@ -407,13 +451,17 @@ class Engine:
             self._forget(req)
 
     def _forget(self, req: Request) -> None:
-        if self.requests.pop(req.request_id, None) is not None and not req.plain_greedy:
+        if self.requests.pop(req.request_id, None) is not None and not req.device_sampled:
             self._host_sampled -= 1
 
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
         suppress = sorted(req.stop_ids) if req.num_output < p.min_tokens else []
-        return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress)
+        bitmask = None
+        if req.grammar is not None:  # on the host while the step's forward runs on the device
+            req.grammar.advance(req.output_ids)
+            bitmask = req.grammar.bitmask_W()
+        return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress, bitmask)
 
     def _finish_reason(self, req: Request, tok: int, n_tokens: int) -> str | None:
         """Why the request ends with its first n_tokens tokens (the last is `tok`), if it does."""

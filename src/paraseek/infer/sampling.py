@@ -1,7 +1,9 @@
 """Sampling parameters (validated once, when a request arrives) and the batched sampler that runs on the logits'
-device: penalties, temperature, top-k, top-p, min-p, per-request seeds, log-probabilities.
+device: token masks (a grammar's, allowed_token_ids), logit_bias, penalties, temperature, top-k, top-p, min-p,
+per-request seeds, log-probabilities.
 
-Order of the transforms (as vLLM and HF apply them): repetition/frequency/presence penalties on the raw logits ->
+Order of the transforms (as vLLM and HF apply them): the masks and logit_bias on the raw logits ->
+repetition/frequency/presence penalties ->
 log-probabilities reported from those -> temperature -> top-k -> top-p -> min-p -> sample. Sampling is the Gumbel-max
 trick in its exponential form (argmax p_i / q_i with q_i ~ Exp(1) is a sample from p), so a seeded request draws its
 noise from its own generator and the rest of the batch stays one kernel.
@@ -36,6 +38,13 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: outputs forced to max_tokens
     logprobs: int | None = None  # None = off; k >= 0: the chosen token's log-probability and the k most likely
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM's: every other token is masked out
+    # Grammar-constrained decoding (infer/structured.py): {"type": "json_schema", "schema": {...}} | {"type":
+    # "json_object"} | {"type": "regex", "regex": ...} | {"type": "ebnf", "grammar": ...} | {"type": "choice", ...}
+    # | {"type": "tool_calls", ...}; "reasoning": true lets the output reason up to </think> first. A plain dict, so
+    # it travels to --dp replicas.
+    structured: dict | None = None
 
     def validate(self) -> SamplingParams:
         """Raise UserError (one line) for a value outside its range; returns self so calls can chain."""
@@ -57,11 +66,20 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         need(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+             f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be in 0..20, got {self.logprobs}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
+        need(self.logit_bias is None or all(isinstance(t, int) and t >= 0 and _finite(b) and -100 <= b <= 100
+                                            for t, b in self.logit_bias.items()),
+             "logit_bias must map token ids to numbers in [-100, 100]")
+        need(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids")
+        need(self.structured is None or (isinstance(self.structured, dict) and "type" in self.structured),
+             "structured must be a dict with a type")
         if self.top_k == -1:
             self.top_k = 0
         return self
@@ -73,6 +91,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def masked(self) -> bool:
+        """Whether the logits are changed before sampling by a mask or a bias (no bare argmax)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.structured is not None
 
 
 def _finite(x) -> bool:
@@ -88,6 +111,7 @@ class SampleRow:
     output_ids: list[int]
     generator: torch.Generator | None = None
     suppress_ids: list[int] = field(default_factory=list)  # stop tokens before min_tokens
+    bitmask_W: torch.Tensor | None = None  # a grammar's allowed tokens: int32 [ceil(V / 32)], bit v % 32 of word v // 32
 
 
 @dataclass
@@ -97,8 +121,10 @@ class Sampled:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def sample(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Sampled:
-    """One token per row. logits_BV are the model's logits (any float dtype); the work is done in fp32."""
+def sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool = True) -> Sampled:
+    """One token per row. logits_BV are the model's logits (any float dtype); the work is done in fp32.
+    to_host=False: `token_ids` is the [B] int64 tensor on the logits' device (no wait for the step; no
+    log-probabilities)."""
     B, V = logits_BV.shape
     dev = logits_BV.device
     x_BV = logits_BV.float()
@@ -107,6 +133,8 @@ def sample(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         for i, r in enumerate(rows):
             if r.suppress_ids:
                 x_BV[i, r.suppress_ids] = float("-inf")
+    if any(r.params.masked or r.bitmask_W is not None for r in rows):
+        x_BV = apply_masks(x_BV if x_BV is not logits_BV else x_BV.clone(), rows)
     if any(r.params.penalized for r in rows):
         x_BV = _apply_penalties(x_BV, rows)
     want_logprobs = any(r.params.logprobs is not None for r in rows)
@@ -142,6 +170,8 @@ def sample(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         if any(greedy):
             tokens_B = torch.where(torch.tensor(greedy, device=dev), x_BV.argmax(dim=-1), tokens_B)
 
+    if not to_host:
+        return Sampled(tokens_B)
     out = Sampled(tokens_B.tolist())
     if logprobs_BV is not None:
         chosen = logprobs_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
@@ -156,6 +186,50 @@ def sample(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Sampled:
             else:
                 out.top_logprobs.append([])
     return out
+
+
+def apply_masks(x_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """logit_bias, allowed_token_ids and grammar bitmasks, in place on x_BV (fp32). Each kind is one batched
+    operation on the device; the grammar masks (built on the host while the forward ran) go over in one copy."""
+    B, V = x_BV.shape
+    dev = x_BV.device
+    rows_i, ids, vals = [], [], []
+    for i, r in enumerate(rows):
+        for t, b in (r.params.logit_bias or {}).items():
+            if t < V:
+                rows_i.append(i)
+                ids.append(t)
+                vals.append(float(b))
+    if ids:
+        x_BV.index_put_((torch.tensor(rows_i, device=dev), torch.tensor(ids, device=dev)),
+                        torch.tensor(vals, device=dev), accumulate=True)
+    allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if allowed:
+        keep_BV = torch.ones((B, V), dtype=torch.bool, device=dev)
+        keep_BV[allowed] = False
+        ri = [i for i in allowed for t in rows[i].params.allowed_token_ids if t < V]
+        ti = [t for i in allowed for t in rows[i].params.allowed_token_ids if t < V]
+        keep_BV[torch.tensor(ri, device=dev, dtype=torch.long), torch.tensor(ti, device=dev, dtype=torch.long)] = True
+        x_BV.masked_fill_(~keep_BV, float("-inf"))
+    masked = [i for i, r in enumerate(rows) if r.bitmask_W is not None]
+    if masked:
+        words_MW = torch.stack([rows[i].bitmask_W for i in masked])
+        if dev.type == "cuda":
+            words_MW = words_MW.pin_memory().to(dev, non_blocking=True)
+        else:
+            words_MW = words_MW.to(dev)
+        keep_MV = unpack_bitmask(words_MW, V)
+        idx = torch.tensor(masked, device=dev)
+        x_BV[idx] = x_BV[idx].masked_fill(~keep_MV, float("-inf"))
+    return x_BV
+
+
+def unpack_bitmask(words_MW: torch.Tensor, V: int) -> torch.Tensor:
+    """int32 words [M, W] (token v is bit v % 32 of word v // 32, as xgrammar and llguidance write them) ->
+    bool [M, V]."""
+    shifts_32 = torch.arange(32, device=words_MW.device, dtype=torch.int32)
+    bits_MW32 = (words_MW[:, :, None] >> shifts_32) & 1
+    return bits_MW32.reshape(words_MW.shape[0], -1)[:, :V].bool()
 
 
 def _apply_penalties(x_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

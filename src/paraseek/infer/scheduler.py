@@ -1,6 +1,7 @@
 """Continuous batching (Orca, Yu et al. 2022) with chunked prefill (Sarathi, Agrawal et al. 2023) over the paged
 cache: every step spends a token budget on, in order, one token for each running decode, the next chunk of each
-running prefill, then new requests in arrival order while KV blocks and sequence slots are free.
+running prefill, then new requests in order of priority (lower first, as vLLM's `priority`; equal priorities in
+arrival order) while KV blocks and sequence slots are free.
 
 When a running request needs a block and none is free, the most recently admitted running request is preempted by
 recompute: its blocks are released (its full blocks stay in the prefix cache, so the recompute is mostly hits) and
@@ -37,18 +38,21 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of the full blocks registered so far
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks registered so far
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length | abort
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    priority: int = 0  # lower is admitted first (vLLM's); equal priorities in arrival order
+    first_scheduled_time: float | None = None  # first admission: the queue time ends, the prefill starts
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stream: object | None = None  # engine.TextStream when the text is kept as it grows
-    plain_greedy: bool = False  # greedy with no penalties, log-probabilities or min_tokens: a bare argmax
+    grammar: object | None = None  # structured.Constraint of a grammar-constrained request
+    device_sampled: bool = False  # no penalties, log-probabilities or min_tokens: sampled from the logits alone
     # Overlapped steps (engine.py): a token sampled by the step still on the device sits at the tail of token_ids
     # as a placeholder until it is read back; `pending` counts them (0, 1 or 2), `sample_row` is the row of that
     # step's sampled tokens the newest one comes from, and `last_pending` says it will be the request's last.
@@ -107,7 +111,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue behind every waiting request of the same or a better (lower) priority."""
+        w = self.waiting
+        if not w or w[-1].priority <= req.priority:
+            w.append(req)
+        else:
+            w.insert(next(i for i, r in enumerate(w) if r.priority > req.priority), req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -167,6 +176,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.blocks += self.pool.allocate(need)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.perf_counter()
             req.status = Status.RUNNING
             self.running.append(req)
             (decodes if n == 1 else prefills).append(Scheduled(req, req.num_computed, n))
@@ -203,7 +214,11 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        w = self.waiting  # first among its priority: it was admitted before them
+        if not w or w[0].priority >= req.priority:
+            w.appendleft(req)
+        else:
+            w.insert(next((i for i, r in enumerate(w) if r.priority >= req.priority), len(w)), req)
 
     # ---- after the step -----------------------------------------------------------------------------------------
     def finish(self, req: Request, reason: str) -> None:

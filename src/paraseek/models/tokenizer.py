@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -73,11 +74,12 @@ class TextTokenizer:
         return _clean_up_spaces(text) if self.clean_up_spaces else text
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, tokenize: bool = False, **template_kwargs):
+                            tools: list[dict] | None = None, tokenize: bool = False, chat_template: str | None = None,
+                            **template_kwargs):
         """The rendered chat (str), or its ids with tokenize=True. Like transformers, the ids are the rendered text
         encoded with add_special_tokens=False: the template writes bos itself, a post-processor must not add a
-        second one."""
-        template = self._template(tools)
+        second one. `chat_template`: a template to render with instead of the tokenizer's (transformers' argument)."""
+        template = chat_template if chat_template is not None else self._template(tools)
         text = _render(template, self._variables(messages, tools, add_generation_prompt, template_kwargs),
                        self.name)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -115,6 +117,26 @@ class TextTokenizer:
                             f"without the reasoning it drops), or use a template with {{% generation %}} tags")
         return text, [(a, b + next((len(s) for s in through if s and text.startswith(s, b)), 0)) for a, b in spans]
 
+    def tool_template(self) -> ToolTemplate | None:
+        """The template that renders a request with `tools`, and the tool-call syntax it teaches: the model's own
+        when it renders `tools` (transformers' "tool_use" template first), else a tool-capable template shipped
+        for its family when the model's template is a DeepSeek one that renders tool calls but not the tools
+        themselves (the hub templates of V3, R1, the R1-Distills and V3.1 all do that); None when neither."""
+        if "tool_use" in self.chat_templates:
+            template = self.chat_templates["tool_use"]
+        elif "default" in self.chat_templates:
+            template = self.chat_templates["default"]
+        else:
+            return None
+        fmt = tool_call_format(template)
+        if "tools" in _variables_of(template):
+            return ToolTemplate(template, fmt, None)
+        family = deepseek_family(template)
+        if family is None:
+            return None
+        name = f"deepseek_{family}_tools.jinja"
+        return ToolTemplate(_shipped_template(name), "v31" if family == "v31" else "v3", name)
+
     def _template(self, tools) -> str:
         # transformers' get_chat_template: "tool_use" when tools are given and the model has one, else "default"
         if tools is not None and "tool_use" in self.chat_templates:
@@ -134,6 +156,48 @@ class TextTokenizer:
         # the special tokens first so that template kwargs override them, as in transformers
         return {**self.specials, "messages": messages, "tools": tools, "documents": None,
                 "add_generation_prompt": add_generation_prompt, **template_kwargs}
+
+
+@dataclass(frozen=True)
+class ToolTemplate:
+    template: str
+    format: str | None  # the tool-call syntax: "v3" (V3, R1, R1-Distill), "v31" (V3.1), None (not a DeepSeek one)
+    shipped: str | None  # the file name under paraseek/assets/chat_templates when it is ours, not the model's
+
+
+def tool_call_format(template: str) -> str | None:
+    """Which DeepSeek tool-call syntax a template writes: v3 puts the call's type and a ```json fence around the
+    arguments (`function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```), v31 the bare name and JSON
+    (`NAME<｜tool▁sep｜>{...}`)."""
+    if "<｜tool▁calls▁begin｜>" not in template:
+        return None
+    return "v3" if "'<｜tool▁sep｜>' + tool['function']['name']" in template else "v31"
+
+
+def deepseek_family(template: str) -> str | None:
+    """v3, r1 (R1 and the R1-Distills: the generation prompt opens <think>) or v31 for a DeepSeek chat template."""
+    fmt = tool_call_format(template)
+    if fmt is None or "<｜Assistant｜>" not in template:
+        return None
+    if fmt == "v31":
+        return "v31"
+    return "r1" if "<｜Assistant｜><think>" in template else "v3"
+
+
+@lru_cache(maxsize=8)
+def _shipped_template(name: str) -> str:
+    return (Path(__file__).resolve().parents[1] / "assets" / "chat_templates" / name).read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=32)
+def _variables_of(template: str) -> frozenset[str]:
+    """The variables a template reads (Jinja's undeclared names)."""
+    import jinja2.meta
+
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset()
 
 
 def load_text_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLike | None = None) -> TextTokenizer:

@@ -26,11 +26,47 @@ def _check(ns: argparse.Namespace) -> None:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    if (ns.batch_file is None) != (ns.output is None):
+        raise UserError("--batch-file IN.jsonl and --output OUT.jsonl go together")
+    if ns.batch_file is not None and ns.dp > 1:
+        raise UserError("--batch-file runs one replica: leave out --dp")
+    ns.allowed_origins = _origins(ns.allowed_origins)
     for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):
         try:
             __import__(mod)
         except ImportError:
             raise UserError(f"paraseek serve needs {mod}: pip install 'paraseek[serve]'") from None
+
+
+def _origins(text: str | None) -> list[str] | None:
+    """--allowed-origins: a JSON list (vLLM's form, '["https://a.example"]') or comma-separated origins."""
+    if text is None:
+        return None
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [x.strip() for x in text.split(",") if x.strip()]
+    if not isinstance(value, list) or not value or not all(isinstance(x, str) and x for x in value):
+        raise UserError(f"--allowed-origins must be a JSON list of origins or comma-separated origins, got {text!r}")
+    for origin in value:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise UserError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port]) or *")
+    return value
+
+
+def check_capacity(num_blocks: int, block_size: int, max_len: int, given: bool) -> None:
+    """Refuse a KV cache that cannot hold one sequence of max_len tokens (block 0 is padding, never handed out):
+    every request of full length would be refused while /health said ok."""
+    tokens = (num_blocks - 1) * block_size
+    if tokens >= max_len:
+        return
+    need = -(-max_len // block_size) + 1
+    how = (f"give --num-kv-blocks {need} or more" if given else "raise --gpu-memory-utilization or --kv-cache-gib, "
+           "or use more GPUs (--tp)")
+    raise UserError(f"the KV cache holds {tokens:,} tokens ({num_blocks - 1} blocks of {block_size}), less than one "
+                    f"sequence of --max-model-len {max_len:,}: {how}, or serve --max-model-len {tokens} or less")
 
 
 def _check_address(host: str, port: int) -> None:
@@ -55,12 +91,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from paraseek.infer.load import resolve_source
 
     _check(ns)
-    if os.environ.get(_WORKER_ENV) != "1":  # the launching process; its rank 0 listens
+    if ns.batch_file is not None:
+        from paraseek.serve.batch import read_batch
+
+        read_batch(ns.batch_file)  # a bad file costs one line before the model loads
+    elif os.environ.get(_WORKER_ENV) != "1":  # the launching process; its rank 0 listens
         _check_address(ns.host, ns.port)
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
     max_len = engine_config(ns).context_length(src.args)
+    if ns.num_kv_blocks is not None:
+        check_capacity(ns.num_kv_blocks, ns.block_size, max_len, given=True)
     tokenizer = load_tokenizer(src)
     if ns.chat_template:
         if tokenizer is None:
@@ -107,11 +149,29 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from paraseek.serve.metrics import ServerMetrics
 
     name = ns.served_model_name or ns.model
-    state = ServerState(name, tokenizer, max_len, ns.api_key, ns.max_queue, ns.request_timeout, defaults)
-    app = build_app(state, ns.max_body_bytes)
+    state = ServerState(name, tokenizer, max_len, ns.api_key, ns.max_queue, ns.request_timeout, defaults,
+                        allowed_origins=ns.allowed_origins)
     say = lambda msg: print(f"serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    tools = tokenizer.tool_template() if tokenizer is not None and tokenizer.chat_templates else None
+    tools_why = ("no tool calls (the chat template renders no tools)" if tools is None else
+                 f"tool calls in the {tools.format or 'template'} syntax"
+                 f"{f' with the shipped {tools.shipped} (the model template renders no tools)' if tools.shipped else ''}")
+    if ns.batch_file is not None:
+        from paraseek.serve.batch import run_batch
+
+        say(f"{src.spec} ({src.kind}) as {name!r}, batch {ns.batch_file} -> {ns.output} | {tools_why}")
+        engine = build_engine(ns, src, pl, log=say)
+        check_capacity(engine.report.num_blocks, ns.block_size, max_len, given=ns.num_kv_blocks is not None)
+        say(engine.report.line())
+        try:
+            rc = run_batch(ns, state, engine, EngineLoop)
+        finally:
+            engine.shutdown()
+        return _exit(rc, pl)
+    app = build_app(state, ns.max_body_bytes)
     say(f"{src.spec} ({src.kind}) as {name!r} on http://{ns.host}:{ns.port} | tokenizer: {src.tokenizer_why} | "
-        f"sampling defaults: {why}{' | API key required' if ns.api_key else ''}")
+        f"sampling defaults: {why} | {tools_why}{' | API key required' if ns.api_key else ''}"
+        f"{f' | CORS: {ns.allowed_origins}' if ns.allowed_origins else ''}")
 
     loop_box: list = []
 
@@ -132,17 +192,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         try:
             t0 = time.perf_counter()
             engine = build_engine(ns, src, pl, log=say)
+            check_capacity(engine.report.num_blocks, ns.block_size, max_len, given=ns.num_kv_blocks is not None)
             loop = EngineLoop(engine)
             loop_box.append(loop)
             if listener is None:
-                loop.metrics = state.metrics = ServerMetrics(engine.stats)
+                loop.metrics = state.metrics = ServerMetrics(engine.stats, name, ns.block_size, max_len)
                 state.loop = loop
             else:
                 from paraseek.serve.replicas import ReplicaSet, accept
 
                 replicas = ReplicaSet(loop, accept(listener, ns.dp - 1))
                 loop_box.append(replicas)
-                state.metrics = replicas.metrics = ServerMetrics(replicas.stats)
+                state.metrics = replicas.metrics = ServerMetrics(replicas.stats, name, ns.block_size, max_len)
                 for r in replicas.replicas:
                     r.metrics = state.metrics
                 state.loop = replicas
@@ -251,4 +312,12 @@ def register(subparsers) -> None:
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take before it is aborted with 504 (default 600)")
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit (default 8 MiB)")
+    s.add_argument("--allowed-origins", metavar="ORIGINS",
+                   help="CORS: origins browsers may call from, as a JSON list ('[\"https://app.example\"]', "
+                   "'[\"*\"]') or comma-separated; default: no CORS headers (other origins' pages cannot read "
+                   "answers)")
+    b = p.add_argument_group("batch (OpenAI's batch file format, run offline through the same routes)")
+    b.add_argument("--batch-file", metavar="IN.jsonl", help="requests, one a line ({custom_id, method, url, body}); "
+                   "with --output, run them all and exit instead of serving")
+    b.add_argument("--output", metavar="OUT.jsonl", help="where --batch-file's answers go, one a line in input order")
     p.set_defaults(func=cmd_serve)

@@ -24,13 +24,32 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    timing: tuple | None = None  # once finished: (time to first token, end to end, output tokens), for the metrics
+    timing: Timing | None = None  # once finished, for the metrics
 
 
-def timing_of(req) -> tuple | None:
+@dataclass
+class Timing:
+    """A finished request's phases in seconds (vLLM's: queue = arrival to first scheduling, prefill = that to the
+    first token, decode = first to last token) and its token counts."""
+
+    ttft: float
+    e2e: float
+    n_out: int
+    n_prompt: int
+    max_tokens: int
+    queue: float | None
+    prefill: float | None
+    decode: float
+
+
+def timing_of(req) -> Timing | None:
     if req.first_token_time is None:
         return None
-    return req.first_token_time - req.arrival, (req.finish_time or req.first_token_time) - req.arrival, req.num_output
+    end = req.finish_time or req.first_token_time
+    scheduled = getattr(req, "first_scheduled_time", None)
+    return Timing(req.first_token_time - req.arrival, end - req.arrival, req.num_output, req.num_prompt,
+                  req.params.max_tokens, None if scheduled is None else scheduled - req.arrival,
+                  None if scheduled is None else req.first_token_time - scheduled, end - req.first_token_time)
 
 
 class EngineLoop:
@@ -60,7 +79,7 @@ class EngineLoop:
         return len(self.engine.scheduler.waiting) + self.pending
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, out: asyncio.Queue,
-               tag: int = 0) -> None:
+               tag: int = 0, priority: int = 0) -> None:
         """Queue a request (already checked with engine.check_request); (tag, Delta) pairs arrive on `out`, or an
         exception if the engine failed it."""
         loop = asyncio.get_running_loop()
@@ -68,7 +87,7 @@ class EngineLoop:
         def emit(item) -> None:
             self._post(loop, out.put_nowait, (tag, item) if isinstance(item, Delta) else item)
 
-        self.submit_to(request_id, prompt_ids, params, emit)
+        self.submit_to(request_id, prompt_ids, params, emit, priority)
 
     def _post(self, loop: asyncio.AbstractEventLoop, fn, arg) -> None:
         """fn(arg) on `loop`'s thread. A step's deliveries (on the engine thread) are gathered and posted at once:
@@ -79,12 +98,13 @@ class EngineLoop:
         else:
             loop.call_soon_threadsafe(fn, arg)
 
-    def submit_to(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit) -> None:
+    def submit_to(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit,
+                  priority: int = 0) -> None:
         """Queue a request whose Deltas (or the exception that failed it) go to `emit`, from the engine thread."""
         self._outputs[request_id] = emit
         with self._lock:
             self.pending += 1
-        self._commands.put(("add", request_id, prompt_ids, params))
+        self._commands.put(("add", request_id, prompt_ids, params, priority))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (its client went away): its blocks are freed by the next loop turn."""
@@ -128,13 +148,13 @@ class EngineLoop:
             return
         while True:
             if cmd[0] == "add":
-                _, rid, prompt_ids, params = cmd
+                _, rid, prompt_ids, params, priority = cmd
                 with self._lock:
                     self.pending -= 1
                 emit = self._outputs.get(rid)
                 if emit is not None:  # not aborted meanwhile
                     try:
-                        self.engine.add_request(rid, prompt_ids, params, stream_text=True)
+                        self.engine.add_request(rid, prompt_ids, params, stream_text=True, priority=priority)
                     except Exception as e:  # checked by the handler already; whatever slipped through is its 400
                         self._outputs.pop(rid, None)
                         emit(e)
@@ -142,7 +162,7 @@ class EngineLoop:
                 req = self.engine.requests.get(cmd[1])
                 self.engine.abort(cmd[1])
                 if req is not None and self.metrics is not None:
-                    self.metrics.finished("abort", timing_of(req))
+                    self.metrics.finished("abort", timing_of(req), cmd[1])
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -152,10 +172,12 @@ class EngineLoop:
         emit = self._outputs.get(req.request_id)
         finished = req.finish_reason is not None
         timing = timing_of(req) if finished else None
+        if self.metrics is not None and hasattr(self.metrics, "token"):
+            self.metrics.token(req.request_id)
         if finished:
             self._outputs.pop(req.request_id, None)
             if self.metrics is not None:
-                self.metrics.finished(req.finish_reason, timing)
+                self.metrics.finished(req.finish_reason, timing, req.request_id)
         if emit is None:
             return
         n = len(req.logprobs)

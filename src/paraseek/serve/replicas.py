@@ -34,7 +34,7 @@ class RemoteReplica:
         with self._send_lock:
             self.conn.send(msg)
 
-    def submit(self, request_id, prompt_ids, params, out, tag=0) -> None:
+    def submit(self, request_id, prompt_ids, params, out, tag=0, priority=0) -> None:
         import asyncio
 
         loop = asyncio.get_running_loop()
@@ -42,7 +42,7 @@ class RemoteReplica:
             out.put_nowait, (tag, item) if isinstance(item, Delta) else item)
         with self._pending_lock:
             self.pending += 1
-        self._send(("add", request_id, prompt_ids, params))
+        self._send(("add", request_id, prompt_ids, params, priority))
 
     def abort(self, request_id) -> None:
         if self._outputs.pop(request_id, None) is not None:
@@ -72,10 +72,12 @@ class RemoteReplica:
                 if kind == "delta":
                     rid, d = rest
                     emit = self._outputs.get(rid)
+                    if self.metrics is not None:
+                        self.metrics.token(rid)
                     if d.finished:
                         self._outputs.pop(rid, None)
                         if self.metrics is not None:
-                            self.metrics.finished(d.finish_reason, d.timing)
+                            self.metrics.finished(d.finish_reason, d.timing, rid)
                     if emit is not None:
                         emit(d)
                 elif kind == "error":
@@ -90,7 +92,7 @@ class RemoteReplica:
                         self.pending -= 1
                 elif kind == "aborted":
                     if self.metrics is not None:
-                        self.metrics.finished("abort", rest[0])
+                        self.metrics.finished("abort", rest[1], rest[0])
                 elif kind == "stats":
                     self.stats = rest[0]
         except (EOFError, OSError) as e:  # the replica went away: its requests fail, the server says so
@@ -119,13 +121,13 @@ class ReplicaSet:
     def waiting(self) -> int:
         return sum(r.waiting() for r in self.replicas)
 
-    def submit(self, request_id, prompt_ids, params, out, tag=0) -> None:
+    def submit(self, request_id, prompt_ids, params, out, tag=0, priority=0) -> None:
         loads = [len(self.local._outputs)] + [r.in_flight() for r in self.remotes]
         i = min(range(len(loads)), key=loads.__getitem__)
         if self.metrics is not None:
             self.metrics.routed.labels(str(i)).inc()
         self._where[request_id] = self.replicas[i]
-        self.replicas[i].submit(request_id, prompt_ids, params, out, tag)
+        self.replicas[i].submit(request_id, prompt_ids, params, out, tag, priority)
 
     def abort(self, request_id) -> None:
         replica = self._where.pop(request_id, None)
@@ -196,8 +198,8 @@ def serve_remote(loop: EngineLoop, address, key: bytes, index: int) -> None:
             while True:
                 kind, *rest = conn.recv()
                 if kind == "add":
-                    rid, prompt_ids, params = rest
-                    loop.submit_to(rid, prompt_ids, params, emitter(rid))
+                    rid, prompt_ids, params, priority = rest
+                    loop.submit_to(rid, prompt_ids, params, emitter(rid), priority)
                     send(("added",))
                 elif kind == "abort":
                     loop.abort(rest[0])
@@ -229,9 +231,9 @@ class _AbortReporter:
     def __init__(self, send):
         self._send = send
 
-    def finished(self, finish_reason, timing) -> None:
+    def finished(self, finish_reason, timing, request_id=None) -> None:
         if finish_reason == "abort":
             try:
-                self._send(("aborted", timing))
+                self._send(("aborted", request_id, timing))
             except OSError:
                 pass
