@@ -52,7 +52,8 @@ def register(subparsers) -> None:
                    "and FlexAttention's block mask per micro-batch)")
     p.add_argument("--all-dims", action="store_true",
                    help="also rank what paraseek train does not run, as predictions: tp with DDP, CPU offload with "
-                   "tp or pp, pipelines of tied embeddings, and ZBVZeroBubble (not measured on GPUs yet)")
+                   "tp or pp, pipelines of tied embeddings, and ZBVZeroBubble and DualPipeV (not measured on GPUs "
+                   "yet)")
     p.set_defaults(func=run_plan)
 
 
@@ -112,6 +113,9 @@ def run_plan(ns: argparse.Namespace) -> int:
             raise UserError(f"--weight-dtype {weight_dtype!r}: expected {', '.join(WEIGHT_BYTES)}")
         if weight_dtype == "bf16" and not cluster.gpu.has_bf16:
             raise UserError(f"--weight-dtype bf16: {cluster.gpu.name} has no bf16; use --weight-dtype fp16")
+        if weight_dtype == "fp8" and not cluster.gpu.has_fp8:
+            raise UserError(f"--weight-dtype fp8: {cluster.gpu.name} has no float8 tensor cores (Ada and Hopper "
+                            f"GPUs do); use --weight-dtype {'bf16' if cluster.gpu.has_bf16 else 'fp16'}")
         if ns.seq_len > args.max_seq_len:
             raise UserError(f"--seq-len {ns.seq_len} exceeds the model's max_position_embeddings {args.max_seq_len}")
         rows = plan_inference(args, cluster, ns.seq_len, ns.global_batch_size, weight_dtype)

@@ -56,6 +56,35 @@ PP_ACTION_OVERHEAD_S = 0.5e-3  # per forward or backward of a chunk: the schedul
 # fills the bubble with the weight-gradient passes; a third of an interleaved (v=2) bubble left over is our estimate of
 # the imperfect filling, not a measurement yet (--plan auto does not pick ZBVZeroBubble).
 ZB_BUBBLE_SHARE = 1 / 3
+# DualPipeV (DeepSeek's DualPipe cut in half; torch's ScheduleDualPipeV): bubble (PP/2 - 1)(F&B + B - 3W) over its
+# PP = 2pp stages (deepseek-ai/DualPipe README, "Pipeline Bubbles and Memory Usage Comparison"), with a stage's
+# forward F, full backward B = 2F and weight-gradient pass W = F (the zero-bubble papers' equal thirds; Qi et al.
+# 2024) and F&B = F + B: (pp - 1) 2F, against a rank's micro-batch of 2 (F + B) = 6F: (pp - 1) / 3 micro-batches.
+# Without overlap_fb, torch runs the paired chunks back to back, which is what F&B = F + B prices.
+DUALPIPEV_BUBBLE = 1 / 3
+
+# ---- the peers' overlap (Plan's peer features: priced for published runs, planner/published.py) -------------------
+# Async TP (Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition"; TorchTitan's
+# async TP, Megatron-Core's --tp-comm-overlap): each all-gather / reduce-scatter is cut into tp pieces, each piece's
+# GEMM runs while the next piece moves, so the first piece of every collective stays exposed (1/tp of it), as does
+# whatever the GEMMs cannot cover; the hidden part slows them by OVERLAP_PENALTY, as FSDP's does.
+# DualPipe's overlapped forward-backward (DeepSeek-V3 report, sec. 3.2.2): the all-to-all and pipeline sends of one
+# chunk run behind the other chunk's compute, and 20 of the H800's 132 SMs do the communication meanwhile, so the
+# compute runs on the other 112.
+OVERLAP_FB_SM_SHARE = 20 / 132
+# DeepEP's dispatch (deepseek-ai/DeepEP, docs/legacy.md, "Normal kernels": H800 with CX7 400 Gb/s NICs, ~50 GB/s;
+# V3's setting of 4096 tokens, 7168 hidden, top-4 groups, top-8 experts): 51 / 50 GB/s of RDMA bandwidth for dispatch
+# / combine at EP 64, i.e. the NIC's line rate, where NCCL's rings reach 0.8 of it (Cluster.inter_busbw_gbps): 1.25x.
+DEEPEP_RDMA_OVER_RING = 1 / 0.8
+# Inside a node it measured 153 / 158 GB/s over NVLink (EP 8): the planner's H800 NVLink busbw (0.77 x 200 GB/s =
+# 154 GB/s), so the NVLink side is priced at Cluster.intra_busbw_gbps.
+FP8_DISPATCH_BYTES = 1 + 4 / 128  # V3 dispatches fp8 activations with an fp32 scale per 128 (report sec. 3.3)
+# Megatron-LM 2021's attention (Narayanan et al. 2021, sec. 4.2: a batched GEMM writes the scores, one fused
+# scale-mask-softmax kernel, dropout, then the GEMM with v): HBM bytes per score element, fp16, from those kernels:
+# forward: written 2, softmax read 2 + write 2, dropout read 2 + write 2 + its mask 1, read by the second GEMM 2 (13);
+# backward: the probabilities' grad written 2, dropout's backward read 2 + mask 1 + write 2, softmax's backward read
+# 2 + 2 and write 2, read by the two GEMMs of q's and k's grads 2 + 2 (17). Checkpointing runs the forward again.
+SCORE_BYTES = {"forward": 13.0, "backward": 17.0}
 # Host (CPU) seconds per block per micro-batch, forward + backward, of eager PyTorch: Python, the dispatcher and
 # ~100-300 kernel launches per block. The GPU only runs ahead while the host launches faster than it computes; with
 # few tokens per micro-batch, MoE routing, DTensor's per-op dispatch under TP or selective checkpointing's Python
@@ -172,6 +201,67 @@ def collective(c: Cluster, nbytes: float, stride: int, size: int, kind: str) -> 
     return nbytes * factor / busbw + alpha
 
 
+def all_to_all(c: Cluster, nbytes: float, stride: int, size: int) -> float:
+    """Seconds for one all-to-all over `size` ranks `stride` apart, each rank sending `nbytes` spread evenly over the
+    group (itself included): what goes to ranks in other nodes leaves through this GPU's NIC share, what stays in the
+    node crosses NVLink, both at once; at A2A_EFFICIENCY of either rate (many small peer messages)."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    per_node = max(1, min(size, c.gpus_per_node // stride))  # the group's ranks in one node
+    local, remote = nbytes * (per_node - 1) / size, nbytes * (size - per_node) / size
+    seconds = max(local / (c.intra_busbw_gbps * 1e9), remote / (c.inter_busbw_gbps * 1e9)) / A2A_EFFICIENCY
+    return seconds + (ALPHA_INTER_S * math.log2(size) if remote else ALPHA_INTRA_S)
+
+
+def node_limited_copies(a: ModelArgs, nodes: int) -> float:
+    """Copies of a token that cross the network under DeepEP's dispatch: one per distinct remote node among its
+    experts. Node-limited routing (V3: topk_group of n_group expert groups, a group per node when EP spans n_group
+    nodes) keeps them on at most M nodes; with its K experts spread evenly over those, E[distinct] = M (1 - (1 -
+    1/M)^K), and the token's own node, one of the `nodes` the EP group spans, is among them 1/nodes of the time."""
+    K = a.n_activated_experts
+    m = min(nodes, K)
+    if a.n_group > 1 and a.topk_group < a.n_group:
+        m = min(m, a.topk_group * max(1, math.ceil(nodes / a.n_group)))
+    return m * (1 - (1 - 1 / m) ** K) * (1 - 1 / nodes)
+
+
+def deepep_exchange(c: Cluster, a: ModelArgs, tokens: float, stride: int, size: int, elem_bytes: float) -> float:
+    """Seconds for one dispatch or combine of `tokens` tokens (K copies of the hidden state each, `elem_bytes` per
+    element) under DeepEP over an EP group of `size` ranks `stride` apart: the network carries node_limited_copies
+    per token at the NIC's line rate, NVLink the K copies to the experts' GPUs at its full rate, both at once."""
+    if size <= 1 or tokens <= 0:
+        return 0.0
+    per_node = max(1, min(size, c.gpus_per_node // stride))
+    nodes = max(1, size // per_node)
+    row = a.dim * elem_bytes * MOE_IMBALANCE
+    nvlink = tokens * a.n_activated_experts * row * (per_node - 1) / per_node / (c.intra_busbw_gbps * 1e9)
+    if nodes == 1:
+        return nvlink + ALPHA_INTRA_S
+    rdma = tokens * node_limited_copies(a, nodes) * row / (c.inter_busbw_gbps * 1e9 * DEEPEP_RDMA_OVER_RING)
+    return max(rdma, nvlink) + ALPHA_INTER_S * math.log2(size)
+
+
+def overlapped(comm: float, behind: float, pieces: int) -> float:
+    """What stays exposed of `comm` seconds cut into `pieces` and overlapped with `behind` seconds of compute: the
+    first piece, whatever the compute cannot cover, and OVERLAP_PENALTY of the hidden part."""
+    return comm / pieces + max(0.0, comm - behind) + OVERLAP_PENALTY * min(comm, behind)
+
+
+def ep_exchange(c: Cluster, a: ModelArgs, plan: Plan, tokens: float, dispatch_bytes: float, full: bool) -> float:
+    """Seconds of one MoE layer's expert-parallel exchanges per micro-batch of `tokens` tokens: dispatch and combine,
+    forward and backward (and the forward again under full checkpointing), each waiting on the host for its split
+    sizes (EP_CALL_OVERHEAD_S). The engine's all-to-all moves `dispatch_bytes` per token (K bf16 copies, this tp
+    rank's share of the tokens) with MOE_IMBALANCE; DeepEP (ep_dispatch "deepep") sends the dispatches (forward, and
+    the gradients' in backward) in fp8 and the combines in bf16 (DeepSeek-V3 report, sec. 3.3)."""
+    calls = 6 if full else 4
+    stride, ep = plan.stride("ep"), plan.ep
+    if plan.ep_dispatch == "deepep":
+        local = tokens / plan.tp
+        return (calls // 2) * (deepep_exchange(c, a, local, stride, ep, FP8_DISPATCH_BYTES)
+                               + deepep_exchange(c, a, local, stride, ep, BF16)) + calls * EP_CALL_OVERHEAD_S
+    return calls * (all_to_all(c, tokens * dispatch_bytes * MOE_IMBALANCE, stride, ep) + EP_CALL_OVERHEAD_S)
+
+
 def bubble(plan: Plan) -> float:
     """Idle time of the slowest pp rank, in micro-batch times."""
     pp, v = plan.pp, plan.pp_virtual_stages
@@ -181,6 +271,8 @@ def bubble(plan: Plan) -> float:
         return pp - 1.0
     if plan.pp_schedule == "Interleaved1F1B":
         return (pp - 1) / v
+    if plan.pp_schedule == "DualPipeV":
+        return (pp - 1) * DUALPIPEV_BUBBLE
     return (pp - 1) / 2 * ZB_BUBBLE_SHARE  # ZBVZeroBubble
 
 
@@ -213,7 +305,8 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     act_bytes = tokens * BF16 * a.dim  # one activation tensor [mbs, seq, D] in bf16
     # Each group priced at the link it spans under the mesh order (ParallelDims.stride).
     tp_call = collective(c, act_bytes, plan.stride("tp"), tp, "all_gather")  # AG and RS of one buffer cost the same
-    p2p = (act_bytes / tp) / c.busbw(plan.stride("pp"), 2, ring=False)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
+    # Pipeline sends go at the pace of the slowest hop: over the NICs once the stages span nodes.
+    p2p = (act_bytes / tp) / c.busbw(plan.stride("pp"), plan.pp, ring=False)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
 
     # Expert GEMMs get more rows per expert as EP gathers tokens from ep ranks, fewer under TP + SP (each tp rank
     # routes only its T / tp tokens to its whole replicated experts): small GEMMs are inefficient.
@@ -236,23 +329,39 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
         block, (share, cast_elems) = s.linear_flops - s.head_flops, fp8_terms(a, plan.fp8)
         linear = block * (share / FP8_LINEAR_SPEEDUP[plan.fp8] + 1 - share) + s.head_flops
         fp8_casts = tokens * block * cast_elems * FP8_CAST_BYTES / hbm
+        attention = tokens * s.attn_flops * recompute / (rate * eff.attention)
+        if plan.attention == "materialized":  # the whole square, and every score element through HBM
+            scores = tokens * 2 * s.attn_flops / (6 * (a.qk_head_dim + a.attn_v_head_dim))
+            passes = SCORE_BYTES["forward"] * (1 if plan.activation_checkpointing == "none" else 2)
+            attention = 2 * attention + scores * (passes + SCORE_BYTES["backward"]) / hbm
         it = {
             "compute_linear": (tokens * linear * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim))
                                + fp8_casts * recompute),
             "compute_experts": (tokens * s.expert_flops * MOE_IMBALANCE * expert_passes / (rate * grouped_eff * gemm)
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
-            "compute_attention": tokens * s.attn_flops * recompute / (rate * eff.attention),
+            "compute_attention": attention,
             "compute_elementwise": (tokens * s.elem_bytes * elem_traffic * (4 / 3 if full or sel else 1.0)
                                     + (tokens * a.vocab_size / tp * loss_traffic if s.last else 0.0)) / hbm,
             # SP: per block AG+RS around attention and MLP, forward and backward (+ forward again under full AC)
             "tp_comm": len(s.layers) * (12 if full else 8) * tp_call + (4 * tp_call if s.last else 0.0),
-            # dispatch + combine, forward and backward (+ forward again under full AC)
-            "ep_all_to_all": s.n_moe * (6 if full else 4) * (
-                collective(c, tokens * s.dispatch_max * MOE_IMBALANCE, plan.stride("ep"), ep, "all_to_all")
-                + EP_CALL_OVERHEAD_S)
-            if ep > 1 else 0.0,
+            "ep_all_to_all": s.n_moe * ep_exchange(c, a, plan, tokens, s.dispatch_max, full) if ep > 1 else 0.0,
             "pp_p2p": 2 * plan.pp_virtual_stages * (p2p + PP_ACTION_OVERHEAD_S) if plan.pp > 1 else 0.0,
         }
+        if plan.shared_expert_overlap and it["ep_all_to_all"]:  # the exchanges behind the shared experts' GEMMs
+            shared = s.n_moe * 18 * a.dim * a.moe_inter_dim * a.n_shared_experts / tp  # FLOPs per token, fwd + bwd
+            shared_s = tokens * shared * recompute / (rate * eff.linear * gemm * width_efficiency(a.dim))
+            a2a = it["ep_all_to_all"]
+            it["ep_all_to_all"] = max(0.0, a2a - shared_s) + OVERLAP_PENALTY * min(a2a, shared_s)
+        if plan.async_tp and it["tp_comm"]:  # each collective in tp pieces behind the block's GEMMs
+            it["tp_comm"] = overlapped(it["tp_comm"], it["compute_linear"], tp)
+        if plan.overlap_fb:  # DualPipe: this chunk's communication behind the paired chunk's compute
+            compute = sum(v for k, v in it.items() if k.startswith("compute_"))
+            comm = it["tp_comm"] + it["ep_all_to_all"] + it["pp_p2p"]
+            slowed = compute / (1 - OVERLAP_FB_SM_SHARE)
+            left = max(0.0, comm - slowed) / comm if comm else 0.0
+            for k in ("tp_comm", "ep_all_to_all", "pp_p2p"):
+                it[k] *= left
+            it["comm_sm_share"] = slowed - compute
         # The GPU waits for the host when launching takes longer than computing (eager mode).
         it["host_bound"] = max(0.0, host_time(s, plan) - sum(it.values()))
         if sum(it.values()) > sum(worst.values()):
@@ -272,13 +381,14 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     float8_gather = float8_all_gather(plan, plan.fp8)
     gathered = FP8 * (dense - s.root) + BF16 * s.root if float8_gather else BF16 * dense
 
-    def fsdp_round(gathers: int) -> float:
+    def fsdp_round(gathers: int) -> tuple[float, float]:
+        """(all-gathers, reduce-scatters) of one round over this rank's blocks."""
         shard, expert_dp = plan.stride("dp_shard"), plan.stride("expert_dp")
+        alpha = (n_blocks - 1) * (ALPHA_INTRA_S if plan.dp_shard > 1 else 0.0)
         return (gathers * (collective(c, gathered, shard, plan.dp_shard, "all_gather")
-                           + collective(c, BF16 * experts, expert_dp, plan.dp_shard // ep, "all_gather"))
-                + collective(c, FP32 * dense, shard, plan.dp_shard, "reduce_scatter")
-                + collective(c, FP32 * experts, expert_dp, plan.dp_shard // ep, "reduce_scatter")
-                + (gathers + 1) * (n_blocks - 1) * (ALPHA_INTRA_S if plan.dp_shard > 1 else 0.0))
+                           + collective(c, BF16 * experts, expert_dp, plan.dp_shard // ep, "all_gather") + alpha),
+                collective(c, FP32 * dense, shard, plan.dp_shard, "reduce_scatter")
+                + collective(c, FP32 * experts, expert_dp, plan.dp_shard // ep, "reduce_scatter") + alpha)
 
     def exposed(comm: float, behind: float) -> float:
         # The first prefetch cannot overlap; what exceeds the compute it hides behind is exposed; the hidden part
@@ -287,8 +397,16 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
 
     gathers = 1 if plan.keeps_params_gathered else 2
     rounds = 1 if plan.pp > 1 else m  # pipelining gathers and reduces once per step (grad sync deferred)
-    fsdp = fsdp_round(gathers)
-    items["fsdp_comm"] = rounds * exposed(fsdp, busy / rounds) if plan.dp_shard > 1 else 0.0
+    gather, reduce = fsdp_round(gathers)
+    if plan.dp_shard == 1:
+        items["fsdp_comm"] = 0.0
+    elif plan.pp > 1:
+        # Pipelined, FSDP2 gathers each block once, at the first micro-batch's forward (prefetched behind it: a third
+        # of a micro-batch), and reduce-scatters in the last micro-batch's backward only (the engine defers gradient
+        # sync to it): behind that backward, two thirds of a micro-batch, not behind the whole step.
+        items["fsdp_comm"] = exposed(gather, device_mb / 3) + exposed(reduce, device_mb * 2 / 3)
+    else:
+        items["fsdp_comm"] = m * exposed(gather + reduce, busy / m)
     # FSDP2 copies params into and out of its all-gather buffers and casts grads for the reduce, on every rank
     # and even on a 1-rank mesh: memory-bound work on the compute stream.
     # measured: FSDP2 on a 1-rank mesh costs twice as much per param in eager mode (COMPILE_SINGLE_RANK compiled)

@@ -22,7 +22,10 @@ from paraseek.models.args import ModelArgs
 
 # torch.distributed.pipelining's schedules. The single-stage ones hold one stage per rank, the others v >= 2.
 SINGLE_SCHEDULES = ("GPipe", "1F1B")
-MULTI_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+MULTI_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Two stages per rank in the V shape (rank r holds stages r and 2pp - 1 - r): torch's ZBVZeroBubble and DualPipeV
+# (DeepSeek's DualPipe cut in half, deepseek-ai/DualPipe; torch.distributed.pipelining.ScheduleDualPipeV).
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_SCHEDULES + MULTI_SCHEDULES
 
 
@@ -40,7 +43,7 @@ class ParallelDims:
     tp: int = 1  # tensor parallel (Megatron-style, with sequence parallelism by default)
     pp: int = 1  # pipeline stages' ranks; stages cut by the planner's per-layer cost
     pp_schedule: str = "none"  # "none" when pp == 1, else one of SCHEDULES
-    pp_virtual_stages: int = 1  # model chunks per pp rank (interleaved schedules: 2+, ZBVZeroBubble: 2)
+    pp_virtual_stages: int = 1  # model chunks per pp rank (interleaved schedules: 2+, ZBVZeroBubble, DualPipeV: 2)
     ep: int = 1  # expert parallel: routed experts split over ep ranks of dp_shard (all-to-all dispatch)
     sequence_parallel: bool = True  # with tp: norms and residuals sharded over the sequence
 
@@ -104,8 +107,11 @@ class ParallelDims:
             return (f"--pp {pp} needs at least {pp} micro-batches per step to fill the pipeline, but global batch / "
                     f"(micro-batch x data-parallel size) = {micro_batches}; raise --global-batch-size or lower "
                     "--micro-batch-size")
-        if schedule in MULTI_SCHEDULES and micro_batches % pp:
+        if schedule in MULTI_SCHEDULES and schedule != "DualPipeV" and micro_batches % pp:
             return f"--pp-schedule {schedule} needs a multiple of --pp {pp} micro-batches per step, got {micro_batches}"
+        if schedule == "DualPipeV" and micro_batches < 2 * pp:  # its only rule on them (ScheduleDualPipeV)
+            return (f"--pp-schedule DualPipeV needs at least as many micro-batches per step as stages (2 x --pp {pp} "
+                    f"= {2 * pp}), got {micro_batches}")
         return ""
 
 
@@ -163,12 +169,12 @@ def _pp_problem(d: ParallelDims, args: ModelArgs, engine: bool, compile: bool, p
                 f"schedule ({', '.join(MULTI_SCHEDULES)})")
     if schedule in MULTI_SCHEDULES and v < 2:
         return f"--pp-schedule {schedule} needs --pp-virtual-stages 2 or more"
-    if schedule == "ZBVZeroBubble" and v != 2:
-        return "--pp-schedule ZBVZeroBubble holds exactly 2 stages per rank (--pp-virtual-stages 2)"
+    if schedule in V_SCHEDULES and v != 2:
+        return f"--pp-schedule {schedule} holds exactly 2 stages per rank (--pp-virtual-stages 2)"
     if engine and precision == "fp16":
         return ("--pp with --precision fp16 is not supported (the loss scaler would have to scale the loss inside the "
                 "schedule and agree across stages); use bf16")
-    if engine and compile and "ZeroBubble" in schedule:
+    if engine and compile and ("ZeroBubble" in schedule or schedule == "DualPipeV"):
         return (f"--pp-schedule {schedule} splits the backward into input and weight parts, which torch.compile'd "
                 "blocks do not support; use 1F1B or Interleaved1F1B with --compile")
     if pp * v > args.n_layers:

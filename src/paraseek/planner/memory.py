@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from paraseek.models.args import ModelArgs
 from paraseek.models.lora_spec import LoRASpec, adapter_params
 from paraseek.models.stats import attention_flops_per_token, param_counts
+from paraseek.planner.dims import V_SCHEDULES
 from paraseek.planner.plan import Cluster, Plan
 
 BF16, FP32 = 2, 4
@@ -306,8 +307,9 @@ def partition(t: ModelTerms, n_chunks: int) -> tuple[tuple[int, int], ...]:
 
 
 def rank_chunks(pp: int, v: int, schedule: str) -> list[list[int]]:
-    """Which model chunks each pp rank holds: looped (r, r+pp, ...) or the V shape of ZBVZeroBubble (r, 2pp-1-r)."""
-    if schedule == "ZBVZeroBubble":
+    """Which model chunks each pp rank holds: looped (r, r+pp, ...) or the V shape of ZBVZeroBubble and DualPipeV
+    (r, 2pp-1-r)."""
+    if schedule in V_SCHEDULES:
         return [[r, 2 * pp - 1 - r] for r in range(pp)]
     return [[r + k * pp for k in range(v)] for r in range(pp)]
 
@@ -317,7 +319,9 @@ def in_flight(plan: Plan, rank: int, m: int) -> float:
 
     GPipe: all m. 1F1B: pp - rank (Narayanan et al. 2021). Interleaved1F1B: torch's warm-up of
     (v-1)*pp + 2*(pp-1-rank) chunk-micro-batches + 1, i.e. Korthikanti sec. 4.2.3's L/pp * (1 + (pp-1)/(pp*v)) on
-    rank 0. ZBVZeroBubble: the same peak as 1F1B (Qi et al. 2024, ZB-V)."""
+    rank 0. ZBVZeroBubble: the same peak as 1F1B (Qi et al. 2024, ZB-V). DualPipeV: PP + 1 stages' worth on the
+    PP / 2 ranks of its 2pp stages (deepseek-ai/DualPipe README, "Pipeline Bubbles and Memory Usage Comparison"):
+    pp + 1/2 shares of this rank's two stages."""
     pp, v = plan.pp, plan.pp_virtual_stages
     if pp == 1:
         return 1.0
@@ -328,6 +332,8 @@ def in_flight(plan: Plan, rank: int, m: int) -> float:
         return float(min(m, pp - rank))
     if s == "Interleaved1F1B":
         return min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v
+    if s == "DualPipeV":
+        return min(float(m), pp + 0.5)
     return float(min(m, pp))  # ZBVZeroBubble
 
 

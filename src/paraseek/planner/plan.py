@@ -14,7 +14,11 @@ from paraseek.planner.dims import ParallelDims, fp8_engine_problem
 
 AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recompute first
 # The pipeline schedules the planner prices (of dims.SCHEDULES: LoopedBFS and InterleavedZeroBubble run, unpriced).
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+# What the peers run and `paraseek train` does not: priced so that the planner can be checked against their published
+# runs (planner/published.py), never chosen by the search, refused as a training plan (Plan.problem).
+EP_DISPATCH = ("all_to_all", "deepep")
+ATTENTION = ("flash", "materialized")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,31 @@ class Plan(ParallelDims):
     # --lora-rank (models/lora.py): the base frozen in the compute dtype, only the adapters trained. The user's
     # choice of what to train, so the search never picks it; it prices the run's model states, not a new plan.
     lora: LoRASpec | None = None
+    # The peers' overlap and kernels (peer_features; cost.py prices each, docs/planner.md, "Overlap"):
+    # async_tp: TP's all-gathers and reduce-scatters split into tp pieces, each overlapped with a GEMM on the previous
+    # piece (TorchTitan's async TP under torch.compile, Megatron-Core's --tp-comm-overlap).
+    async_tp: bool = False
+    # ep_dispatch "deepep": DeepSeek-V3's node-limited routing with DeepEP's dispatch: each token crosses the network
+    # once per target node (at most topk_group nodes), then NVLink forwards it to its experts; fp8 out, bf16 back.
+    ep_dispatch: str = "all_to_all"
+    # shared_expert_overlap: the shared experts computed while dispatch and combine move the routed tokens
+    # (Megatron-Core's --moe-shared-expert-overlap).
+    shared_expert_overlap: bool = False
+    # overlap_fb: DualPipe's overlapped forward and backward chunk pairs (DualPipeV here): a chunk's all-to-all and
+    # pipeline sends run behind the other chunk's compute, on the SMs left after communication's share.
+    overlap_fb: bool = False
+    # attention "materialized": the score matrix written to and read from HBM (Megatron-LM 2021's fused softmax
+    # kernels, before flash attention), over the whole square rather than the causal half.
+    attention: str = "flash"
+
+    @property
+    def peer_features(self) -> list[str]:
+        """The features of this plan that only the peers run (flags-like names), [] for a plan paraseek trains."""
+        return [name for name, on in (("async TP", self.async_tp),
+                                      ("DeepEP dispatch", self.ep_dispatch != "all_to_all"),
+                                      ("shared-expert overlap", self.shared_expert_overlap),
+                                      ("DualPipe's overlapped forward-backward", self.overlap_fb),
+                                      ("materialized attention", self.attention != "flash")) if on]
 
     @property
     def dims(self) -> ParallelDims:
@@ -60,9 +89,12 @@ class Plan(ParallelDims):
         """ParallelDims.problem with this plan's own offload, compile and precision unless given, and (engine
         rules on) what its --fp8 does not compose with."""
         options = {"cpu_offload": self.cpu_offload, "compile": self.compile, "precision": self.precision, **options}
-        fp8 = self.fp8 != "off" and options.get("engine", True)
+        engine = options.get("engine", True)
+        fp8 = self.fp8 != "off" and engine
+        peer = (f"{', '.join(self.peer_features)}: priced for published runs of other trainers; paraseek train does "
+                "not run it") if engine and self.peer_features else ""
         return (super().problem(args, seq_len, micro_batches, **options)
-                or (fp8 and fp8_engine_problem(self, self.lora is not None)) or "")
+                or (fp8 and fp8_engine_problem(self, self.lora is not None)) or peer)
 
     def replace(self, **changes) -> Plan:
         return replace(self, **changes)

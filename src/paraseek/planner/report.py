@@ -10,7 +10,8 @@ from paraseek.errors import UserError
 from paraseek.planner.infer import InferPlan
 from paraseek.planner.memory import GiB
 from paraseek.planner.plan import Cluster, Plan
-from paraseek.planner.search import MEMORY_HEADROOM, Evaluated, Rejected, ScalingRow, SearchResult, explain
+from paraseek.planner.search import (MEMORY_HEADROOM, Evaluated, Rejected, ScalingRow, SearchResult, cross_node,
+                                     explain)
 
 
 def train_command(model: str, c: Cluster, plan: Plan, seq_len: int, global_batch_size: int) -> str:
@@ -98,7 +99,7 @@ def _console():
     return con
 
 
-_SHORT = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "I1F1B", "ZBVZeroBubble": "ZBV"}
+_SHORT = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "I1F1B", "ZBVZeroBubble": "ZBV", "DualPipeV": "DPV"}
 
 
 def _schedule(p: Plan) -> str:
@@ -242,12 +243,18 @@ def scaling_json(model: str, rows: list[ScalingRow], weak: bool = True) -> dict[
                      tokens_per_s=round(row.best.tokens_per_s_per_gpu * row.gpus, 1),
                      mfu=round(row.best.mfu, 4), memory_gib_per_gpu=_gib(row.best.memory.total),
                      scaling_efficiency=round(row.efficiency, 4), plan=plan_dict(row.best, row.result))
+            multi_node = row.result.cluster.nodes > 1
+            if multi_node:  # which groups cross nodes, at what busbw, and what they leave exposed
+                d["cross_node"] = cross_node(row.best, row.result.cluster, row.result.seq_len, row.global_batch_size)
             for name, e, eff in (("flat", row.flat, row.flat_efficiency), ("hsdp", row.hsdp, row.hsdp_efficiency)):
                 if e is not None:
                     d[name] = {"plan": plan_short(e.plan), "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1),
                                "scaling_efficiency": round(eff, 4), "memory_gib_per_gpu": _gib(e.memory.total),
                                "command": train_command(row.result.model, row.result.cluster, e.plan,
                                                         row.result.seq_len, row.global_batch_size)}
+                    if multi_node:
+                        d[name]["cross_node"] = cross_node(e, row.result.cluster, row.result.seq_len,
+                                                           row.global_batch_size)
             if row.note:
                 d["efficiency_note"] = row.note
         else:
@@ -280,6 +287,12 @@ def print_scaling(model: str, rows: list[ScalingRow], c: Cluster, seq_len: int, 
                           f"{alt.memory.total / GiB:.1f}" + ("!" if alt.tight else ""), f"{eff:.0%}")
         if r.note:
             notes.append(f"{r.gpus} GPUs: {r.note}")
+        if r.result.cluster.nodes > 1:  # what crosses the nodes, and what it leaves exposed
+            crossing = [f"{label} ({1e6 / x.tokens_per_s_per_gpu:,.0f} us/token) "
+                        f"{cross_node(x, r.result.cluster, seq_len, r.global_batch_size)}"
+                        for label, x in (("#1", e), ("flat", r.flat), ("HSDP", r.hsdp))
+                        if x is not None and (label == "#1" or x is not e)]
+            notes.append(f"{r.gpus} GPUs across nodes: " + " | ".join(crossing))
     con.print(t)
     con.print("plan: dp replicate x shard, tpN, ppN schedule, epN, micro-batch, checkpointing (AC), compile, "
               "offload, zero2 (params kept gathered)", markup=False, highlight=False)

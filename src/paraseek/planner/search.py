@@ -95,9 +95,9 @@ def _schedules(a: ModelArgs, pp: int, engine_only: bool = False) -> list[tuple[s
     if pp == 1:
         return [("none", 1)]
     out = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4)]
-    # ZBVZeroBubble runs in the engine (CPU loss-equivalence tests) but has not been measured on GPUs yet: --plan
-    # auto does not pick it.
-    return out if engine_only else out + [("ZBVZeroBubble", 2)]
+    # ZBVZeroBubble runs in the engine (CPU loss-equivalence tests) and DualPipeV through the same torch pipelining
+    # path; neither has been measured on GPUs yet: --plan auto does not pick them.
+    return out if engine_only else out + [("ZBVZeroBubble", 2), ("DualPipeV", 2)]
 
 
 def evaluate(args: ModelArgs, c: Cluster, plan: Plan, seq_len: int, global_batch_size: int,
@@ -358,6 +358,27 @@ def shards_across_nodes(p: Plan, gpus_per_node: int) -> bool:
 def is_hsdp(p: Plan, gpus_per_node: int) -> bool:
     """Sharded inside a node and replicated across nodes (only the all-reduce of gradient shards crosses them)."""
     return p.dp_replicate > 1 and p.dp_shard > 1 and not shards_across_nodes(p, gpus_per_node)
+
+
+def cross_node(e: Evaluated, c: Cluster, seq_len: int, global_batch_size: int) -> str:
+    """Which of the plan's process groups cross nodes, at what busbw (Cluster.busbw: a ring over a node's p GPUs on
+    p NIC shares, one share for one rank per node and for all-to-all and pipeline sends), and what their traffic
+    leaves exposed per token, e.g. 'FSDP 16 over 2 nodes at 160.0 GB/s: 1.2 us/token'."""
+    p = e.plan
+    per_token = 1e6 * p.world / (global_batch_size * seq_len)  # seconds per step -> us per token per GPU
+    out = []
+    for label, group, size, item, ring in (("FSDP", "dp_shard", p.dp_shard, "fsdp_comm", True),
+                                           ("replicas", "dp_replicate", p.dp_replicate, "dp_allreduce", True),
+                                           ("EP", "ep", p.ep, "ep_all_to_all", False),
+                                           ("PP", "pp", p.pp, "pp_p2p", False)):
+        stride = p.stride(group)
+        if size <= 1 or stride * size <= c.gpus_per_node:
+            continue
+        bw = c.busbw(stride, size, ring=ring)[0]
+        nodes = -(-stride * size // c.gpus_per_node)
+        out.append(f"{label} {size} over {nodes} nodes at {bw / 1e9:.1f} GB/s: "
+                   f"{e.time.items.get(item, 0.0) * per_token:.1f} us/token")
+    return ", ".join(out) or "nothing crosses nodes"
 
 
 def _above_100_reason(base: ScalingRow, row: ScalingRow, e: Evaluated) -> str:
