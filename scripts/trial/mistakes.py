@@ -1,32 +1,43 @@
-"""The new-user trial (issue 16): mistakes a new user makes on a fresh clone, across every `paraseek` command, each
-run as that user would run it -- `paraseek ARGS` in a folder of their own -- and judged by the project's rule: a
-mistake costs exit code 2 and one readable line on stderr that says what is wrong (no traceback, no usage block),
-and nothing is lost or left behind (the folder holds exactly what it held before: no file written, changed or
-removed, no partial output).
+"""The new-user trial: mistakes a new user makes on a fresh clone, across every `paraseek` command, each run as
+that user would run it -- `paraseek ARGS` in a folder of their own -- and judged by the project's rule: a mistake
+costs exit code 2 and one readable line on stderr that says what is wrong (no traceback, no usage block), and
+nothing is lost or left behind (the folder holds exactly what it held before: no file written, changed or removed,
+no partial output). A few entries are no mistake but a flag that cannot act in that run: they expect exit code 0
+and the one line on stderr that says why (and may leave the run's own files).
 
-    PYTHONPATH=src .venv/bin/python scripts/trial/mistakes.py            # all of them, about 5 minutes on 2 cores
+    PYTHONPATH=src .venv/bin/python scripts/trial/mistakes.py            # all of them, about 6 minutes on 2 cores
     PYTHONPATH=src .venv/bin/python scripts/trial/mistakes.py -k export  # those whose name holds "export"
     PYTHONPATH=src .venv/bin/python scripts/trial/mistakes.py --list     # the table only
+    PYTHONPATH=src .venv/bin/python scripts/trial/mistakes.py --as-user nobody   # from root: as a non-root user
 
 Each entry runs in a fresh temporary folder (sequentially, with a timeout), prints `OK name` or `WRONG name: why`,
 and the run ends with "N of M handled right" (exit code 1 when any is wrong). A few entries need a real training
 checkpoint: it is made once, by `paraseek train` (tiny-dense, one step), and copied where they need it.
+
+Who runs it matters: root may write where a user may not, but not on /proc or /sys, which the entries for paths
+no one can write use. `--as-user USER` (from root) runs every command as USER (setpriv, no login needed) in folders
+given to USER; the entries about permissions (a read-only folder, a file no one may read) run only as a non-root
+user, and are skipped as root. A full disk is not made here: it needs a mount.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
+import pwd
 import shlex
 import shutil
+import site
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,9 +62,22 @@ class Mistake:
     no_gpu: bool = False  # a mistake only where no GPU is visible (skipped elsewhere)
     hold_port: bool = False  # {port} is a port something already listens on
     timeout: float = 90.0
+    env: dict[str, str] = field(default_factory=dict)  # set for the command (a relative path is the entry folder's)
+    setup: Callable[[Path, Path], None] | None = None  # setup(entry folder, token cache root) after the files
+    user_only: bool = False  # a mistake only for a non-root user (root may write there): skipped as root
+    rc: int = 2  # 0: a flag that cannot act, said in the one line while the run goes on or ends as it should
+    leaves: tuple[str, ...] = ()  # with rc 0: what the run may leave in the folder (its checkpoint, its run folder)
 
 
 DIR = object()  # an empty folder
+
+
+@dataclass
+class Perm:
+    """A file (its content) or a folder (DIR) with these permission bits, e.g. 0o555: a read-only folder."""
+    content: object
+    mode: int
+
 
 # ---- the files a user has lying around ------------------------------------------------------------------------------
 TINY = json.dumps(TINY_CONFIGS["tiny-dense"], indent=2)
@@ -111,6 +135,40 @@ BS = "bench-serve http://127.0.0.1:{freeport}"
 
 def m(name: str, argv: str, phrase: str, files: dict | None = None, **kw) -> Mistake:
     return Mistake(name, shlex.split(argv), phrase, files or {}, **kw)
+
+
+# ---- damage done after the files are written (setup hooks: the entry folder, the token cache's root) -------------
+def damaged_text_cache(work: Path, cache: Path) -> None:
+    """The token cache of work/book.txt with the bundled tokenizer, cut off inside a token id."""
+    from paraseek.train.data import cache_path, eos_id, load_tokenizer
+
+    tok, tok_file = load_tokenizer(TOKENIZER)
+    name = cache_path([work / "book.txt"], tok_file, eos_id(tok, tok_file)).name
+    (cache / "tokens").mkdir(parents=True, exist_ok=True)
+    (cache / "tokens" / name).write_bytes(b"\1\0\0\0\2\0")
+
+
+def damaged_chat_cache(work: Path, cache: Path) -> None:
+    """The token cache of work/chats.jsonl rendered with work/hf's template: a folder holding the token ids only."""
+    from paraseek.models.tokenizer import load_text_tokenizer
+    from paraseek.train.data import chat_cache_path
+
+    name = chat_cache_path([work / "chats.jsonl"], load_text_tokenizer(work / "hf")).name
+    (cache / "tokens" / name).mkdir(parents=True, exist_ok=True)
+    (cache / "tokens" / name / "tokens.u32").write_bytes(b"\1\0\0\0")
+
+
+def cut_short(pattern: str) -> Callable[[Path, Path], None]:
+    """Each file of the checkpoint fixture matching `pattern` cut to half its size."""
+    def setup(work: Path, cache: Path) -> None:
+        for f in (work / "ck").glob(pattern):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return setup
+
+
+PAGE = "<!DOCTYPE html><html><head><title>Sign in</title></head><body>Sign in to continue</body></html>\n"
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+RO = Perm(DIR, 0o555)  # a folder its owner may read but not write
 
 
 MISTAKES: list[Mistake] = [
@@ -413,6 +471,118 @@ MISTAKES: list[Mistake] = [
     m("info: folder without config.json", "info model", "no config.json", {"model": DIR}),
     m("info: config.json missing a key", "info hf", "lacks", hf(config='{"model_type": "llama"}')),
     m("info: --seq-len 0", "info tiny-moe --seq-len 0", "--seq-len"),
+    # ---- output paths that cannot be written, for root too: /proc and /sys take no new files ------------------------
+    m("train: --checkpoint-dir on /proc", f"{T} --checkpoint-dir /proc/paraseek-ckpt", "--checkpoint-dir"),
+    m("train: --checkpoint-dir on /sys", f"{T} --checkpoint-dir /sys/paraseek-ckpt", "--checkpoint-dir"),
+    m("train: --checkpoint-dir in a read-only folder", f"{T} --checkpoint-dir ro/ck", "--checkpoint-dir ro/ck",
+      {"ro": RO}, user_only=True),
+    m("train: --checkpoint-dir a read-only folder that holds notes", f"{T} --checkpoint-dir ck", "--checkpoint-dir",
+      {"ck/notes.md": "keep\n", "ck": RO}, user_only=True),
+    m("train: --metrics-jsonl on /proc", f"{T} --metrics-jsonl /proc/paraseek/run.jsonl", "--metrics-jsonl"),
+    m("train: --metrics-jsonl a read-only file", f"{T} --metrics-jsonl run.jsonl", "--metrics-jsonl",
+      {"run.jsonl": Perm(jsonl({"step": 1, "loss": 8.0}), 0o444)}, user_only=True),
+    m("train: --tensorboard on /sys", f"{T} --tensorboard /sys/paraseek-tb", "--tensorboard"),
+    m("train: --run-dir on /proc", f"{T} --run-dir /proc/paraseek-run", "--run-dir"),
+    m("train: --metrics-jsonl in a read-only folder", f"{T} --metrics-jsonl ro/run.jsonl",
+      "ro", {"ro": RO}, user_only=True),
+    m("train: --export-hf on /proc", f"{T} --export-hf /proc/paraseek-hf", "--export-hf"),
+    m("train: the token cache ($PARASEEK_CACHE) on /proc", f"{T} --data book.txt", "PARASEEK_CACHE",
+      {"book.txt": TEXT}, env={"PARASEEK_CACHE": "/proc/paraseek-cache"}),
+    m("train: the token cache ($PARASEEK_CACHE) in a read-only folder", f"{T} --data book.txt", "PARASEEK_CACHE",
+      {"book.txt": TEXT, "ro": RO}, env={"PARASEEK_CACHE": "ro/cache"}, user_only=True),
+    m("export: OUT_DIR on /proc", "export ck /proc/paraseek-out", "/proc", fixtures=CK),
+    m("export: OUT_DIR in a read-only folder", "export ck ro/out", "ro/out", {"ro": RO}, fixtures=CK,
+      user_only=True),
+    m("doctor: --save on /proc", "doctor --quick --save /proc/h200.json", "--save"),
+    m("doctor: --save into a read-only folder", "doctor --quick --save ro/h200.json", "--save", {"ro": RO},
+      user_only=True),
+    m("plan: --plot on /proc", f"{P} --scaling 8,16 --plot /proc/p.png", "--plot"),
+    m("bench: --plot on /sys", "bench --model tiny-dense --device cpu --nproc 1 --seq-len 16 --global-batch-size 1 "
+      "--steps 1 --warmup 0 --plot /sys/bench.png", "--plot"),
+    m("bench-infer: --plot on /proc", f"{BI} --workloads concurrency --concurrency 1 --concurrency-output 4 "
+      "--plot /proc/c.png", "--plot"),
+    m("bench-serve: --plot on /proc", f"{BS} --plot /proc/s.png", "--plot"),
+    # ---- files that are not what their name says, for every reader --------------------------------------------------
+    m("train: --data a .parquet file that is not parquet", f"{T} --data rows.parquet", "rows.parquet",
+      {"rows.parquet": "text\nIn the beginning\n"}),
+    m("train: --data a folder with a damaged .parquet shard", f"{T} --data shards", "b.parquet",
+      {"shards/a.txt": TEXT, "shards/b.parquet": b"PAR1" + bytes(64) + b"PAR1"}),
+    m("train: --data a .jsonl shard that is gzip-compressed", f"{T} --data shards", "b.jsonl:1",
+      {"shards/a.jsonl": jsonl({"text": TEXT}), "shards/b.jsonl": gzip.compress(jsonl({"text": TEXT}).encode())}),
+    m("train: --data a .jsonl shard of zeros (a lost block)", f"{T} --data shards", "b.jsonl:1",
+      {"shards/a.jsonl": jsonl({"text": TEXT}), "shards/b.jsonl": bytes(4096)}),
+    m("train: --data a .txt that is a binary file", f"{T} --data book.txt", "book.txt", {"book.txt": PNG}),
+    m("train: --data a .txt file no one may read", f"{T} --data book.txt", "book.txt",
+      {"book.txt": Perm(TEXT, 0o000)}, user_only=True),
+    m("train: --data a .jsonl file no one may read", f"{T} --data docs.jsonl", "docs.jsonl",
+      {"docs.jsonl": Perm(jsonl({"text": TEXT}), 0o000)}, user_only=True),
+    m("train: a damaged token cache of text", f"{T} --data book.txt", "token cache", {"book.txt": TEXT},
+      setup=damaged_text_cache),
+    m("train: a damaged token cache of chats", f"{T} --data chats.jsonl --tokenizer hf", "token cache",
+      {"chats.jsonl": jsonl(CHAT, CHAT), **hf(chat=True)}, setup=damaged_chat_cache),
+    m("train: --tokenizer a web page saved as tokenizer.json", f"{T} --data book.txt --tokenizer tok.json",
+      "tok.json", {"book.txt": TEXT, "tok.json": PAGE}),
+    m("train: chat data with a tokenizer.json that is not JSON", f"{T} --data chats.jsonl --tokenizer hf",
+      "tokenizer.json", {"chats.jsonl": jsonl(CHAT), **hf(chat=True), "hf/tokenizer.json": PAGE}),
+    m("train: chat data with a tokenizer_config.json that is not JSON", f"{T} --data chats.jsonl --tokenizer hf",
+      "tokenizer_config.json", {"chats.jsonl": jsonl(CHAT), **hf(), "hf/tokenizer_config.json": PAGE}),
+    m("train: --init-from a model.safetensors cut short", f"{T} --init-from hf", "model.safetensors",
+      hf(weights=SAFETENSORS[:-2])),
+    m("train: --init-from a config.json that is a picture", f"{T} --init-from hf", "config.json", hf(config=PNG)),
+    m("train: --model a config.json with a word for a number", "train --model hf", "config.json",
+      hf(config=json.dumps({**TINY_CONFIGS["tiny-dense"], "hidden_size": "wide"}))),
+    m("train: --config a binary file", "train --config run.toml", "run.toml", {"run.toml": PNG}),
+    m("train: --hardware profile that is a binary file", f"{T} --plan auto --hardware h.json", "h.json",
+      {"h.json": PNG}),
+    m("train: --resume a checkpoint whose shards are cut short", f"{T} --checkpoint-dir ck --resume",
+      "no complete checkpoint", fixtures=CK, setup=cut_short("step-*/*.distcp")),
+    m("export: a checkpoint whose .metadata is cut short", "export ck out", "no complete checkpoint", fixtures=CK,
+      setup=cut_short("step-*/.metadata")),
+    m("generate: a tokenizer.json that is a web page", f"{G} --prompt hi", "tokenizer.json",
+      {**hf(), "hf/tokenizer.json": PAGE}),
+    m("generate: a model.safetensors whose header is cut off", f"{G} --prompt hi", "model.safetensors",
+      hf(weights=SAFETENSORS[:20])),
+    m("serve: a tokenizer.json that is not JSON", S, "tokenizer.json", {**hf(), "hf/tokenizer.json": "{\"model\": "}),
+    m("plan: --hardware a binary file", "plan --model deepseek-v2-lite --hardware h.json --global-batch-size 8",
+      "h.json", {"h.json": PNG}),
+    m("plan: --hardware with a number for gpu_name", "plan --model deepseek-v2-lite --hardware h.json "
+      "--global-batch-size 8", "gpu_name", {"h.json": '{"gpu_name": 80}'}),
+    m("doctor: --load a binary file", "doctor --load report.json", "report.json", {"report.json": PNG}),
+    m("info: a config.json that is a picture", "info hf", "config.json", hf(config=PNG)),
+    m("info: a config.json that is a JSON list", "info hf", "config.json", hf(config="[1, 2]")),
+    # ---- flags that cannot act in this run ---------------------------------------------------------------------------
+    m("train: --profile-steps past the last step", f"{T} --profile-steps 5:6", "--profile-steps 5:6"),
+    m("train: --profile-steps window that ends past the run", f"{T} --steps 3 --profile-steps 2:4",
+      "--profile-steps 2:4"),
+    m("train: --profile-steps before the step a --resume continues from",
+      f"{T} --steps 3 --checkpoint-dir ck --resume --profile-steps 1:2", "--profile-steps 1:2", fixtures=CK),
+    m("train: --sequence-parallel false without --tp", f"{T} --sequence-parallel false", "--sequence-parallel"),
+    m("train: --config sequence_parallel = false without tp", f"{T} --config run.toml", "--sequence-parallel",
+      {"run.toml": "sequence_parallel = false\n"}),
+    m("train: --pp-schedule without --pp", f"{T} --pp-schedule GPipe", "--pp-schedule GPipe"),
+    m("train: --pp-virtual-stages without --pp", f"{T} --pp-virtual-stages 2", "--pp-virtual-stages 2"),
+    m("train: --resume of a run that is done", f"{T} --checkpoint-dir ck --resume", "nothing left to train",
+      fixtures=CK, rc=0),
+    m("train: --resume into a folder that does not exist", f"{T} --checkpoint-dir ckpt --resume",
+      "no checkpoint found in", rc=0, leaves=("ckpt", "runs"), timeout=180),
+    m("plan: --weight-dtype fp8 on a GPU without FP8", "plan --model deepseek-v2-lite --gpus 8 --gpu-type A100-80GB "
+      "--mode infer --weight-dtype fp8 --global-batch-size 8", "--weight-dtype fp8"),
+    m("info: --seq-len past the model's positions", "info tiny-moe --seq-len 100000", "--seq-len 100000"),
+    m("bench: --seq-len past the model's positions", "bench --model tiny-dense --device cpu --nproc 1 "
+      "--seq-len 100000", "--seq-len 100000"),
+    # ---- names from other tools: "did you mean" by meaning, not only by spelling -----------------------------------
+    m("train: --sequence-length", "train --sequence-length 512", "did you mean --seq-len?"),
+    m("train: --max-seq-length", "train --max-seq-length 512", "did you mean --seq-len?"),
+    m("train: --config key sequence_len", "train --config run.toml", "did you mean seq_len?",
+      {"run.toml": "sequence_len = 512\n"}),
+    m("train: --config key batch_size", "train --config run.toml", "did you mean global_batch_size?",
+      {"run.toml": "batch_size = 8\n"}),
+    m("train: --lr-warmup", "train --lr-warmup 100", "did you mean --warmup-steps?"),
+    m("train: --num-gpus", "train --num-gpus 8", "did you mean --nproc?"),
+    m("train: --tensor-parallel (Megatron's word)", "train --tensor-parallel 2", "did you mean --tp?"),
+    m("train: --train-iters", "train --train-iters 100", "did you mean --steps?"),
+    m("serve: --tensor-parallel-size (vLLM's name)", f"{S} --tensor-parallel-size 2", "did you mean --tp?", hf()),
+    m("bench-infer: --max-seq-len", f"{BI} --max-seq-len 256", "did you mean --max-model-len?"),
 ]
 
 
@@ -435,12 +605,19 @@ def _snapshot(folder: Path) -> dict[str, str]:
         elif p.is_dir():
             out[rel] = "dir"
         else:
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+            try:
+                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+            except PermissionError:  # a file this user may not read (an entry's own): its size and time then
+                st = p.stat()
+                out[rel] = f"unreadable {st.st_size} {st.st_mtime_ns}"
     return out
 
 
-def _fs_change(before: dict[str, str], after: dict[str, str]) -> str:
-    new = sorted(set(after) - set(before))
+def _fs_change(before: dict[str, str], after: dict[str, str], leaves: tuple[str, ...] = ()) -> str:
+    def allowed(rel: str) -> bool:
+        return any(rel == x or rel.startswith(x + "/") for x in leaves)
+
+    new = sorted(k for k in set(after) - set(before) if not allowed(k))
     gone = sorted(set(before) - set(after))
     changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
     parts = [f"{what} {', '.join(xs[:3])}{' ...' if len(xs) > 3 else ''}"
@@ -451,6 +628,9 @@ def _fs_change(before: dict[str, str], after: dict[str, str]) -> str:
 def _write(folder: Path, files: dict[str, object]) -> None:
     for rel, content in files.items():
         p = folder / rel
+        if isinstance(content, Perm):
+            _write(folder, {rel: content.content})
+            continue
         if content is DIR:
             p.mkdir(parents=True, exist_ok=True)
             continue
@@ -461,6 +641,19 @@ def _write(folder: Path, files: dict[str, object]) -> None:
             p.write_text(content)
         else:
             p.write_text(json.dumps(content))
+
+
+def _set_modes(folder: Path, files: dict[str, object]) -> None:
+    """The Perm entries' permission bits, deepest first (a read-only folder's own files are written before)."""
+    for rel in sorted((r for r, c in files.items() if isinstance(c, Perm)), key=len, reverse=True):
+        (folder / rel).chmod(files[rel].mode)
+
+
+def _remove(folder: Path) -> None:
+    for p in [folder, *folder.rglob("*")]:
+        if p.is_dir() and not p.is_symlink():
+            p.chmod(0o755)  # the read-only folders of an entry, so that they can be emptied
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _free_port(listen: bool) -> tuple[int, socket.socket | None]:
@@ -474,10 +667,13 @@ def _free_port(listen: bool) -> tuple[int, socket.socket | None]:
     return port, None
 
 
-def _paraseek(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str, str]:
-    """(exit code or None on a timeout, stdout, stderr); the whole process group goes on a timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "paraseek", *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _paraseek(argv: list[str], cwd: Path, env: dict[str, str], timeout: float, prefix: tuple[str, ...] = (),
+              python: str = sys.executable) -> tuple[int | None, str, str]:
+    """(exit code or None on a timeout, stdout, stderr); the whole process group goes on a timeout. `prefix` runs it
+    as another user (setpriv ...), with the interpreter `python`."""
+    proc = subprocess.Popen([*prefix, python, "-m", "paraseek", *argv], cwd=cwd, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -490,8 +686,8 @@ def _paraseek(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -
 class Fixtures:
     """Things made once by paraseek itself and copied where an entry needs them."""
 
-    def __init__(self, root: Path, env: dict[str, str]):
-        self.root, self.env, self.made = root, env, {}
+    def __init__(self, trial: Trial):
+        self.trial, self.made = trial, {}
 
     def get(self, name: str) -> Path:
         if name not in self.made:
@@ -499,12 +695,13 @@ class Fixtures:
         return self.made[name]
 
     def _make_checkpoint(self) -> Path:
-        work = self.root / "fixture-checkpoint"
+        work = self.trial.root / "fixture-checkpoint"
         work.mkdir()
         (work / "book.txt").write_text(TEXT * 4)
+        self.trial.give(work)
         t0 = time.perf_counter()
-        rc, out, err = _paraseek(shlex.split(T) + ["--data", "book.txt", "--checkpoint-dir", "ck"], work, self.env,
-                                 300)
+        rc, out, err = self.trial.paraseek(shlex.split(T) + ["--data", "book.txt", "--checkpoint-dir", "ck"], work,
+                                           self.trial.env, 300)
         if rc != 0:
             raise SystemExit(f"could not make the checkpoint fixture (exit code {rc}):\n{err[-3000:]}")
         print(f"(fixture: a tiny-dense checkpoint, trained one step, in {time.perf_counter() - t0:.1f} s)", flush=True)
@@ -517,7 +714,7 @@ def judge(mk: Mistake, rc: int | None, out: str, err: str, fs: str, timeout: flo
     lines = [line for line in err.splitlines() if line.strip()]
     if rc is None:
         why.append(f"still running after {timeout:g} s (the mistake was not caught)")
-    elif rc != 2:
+    elif rc != mk.rc:
         why.append(f"exit code {rc}")
     for bad in ALWAYS_ABSENT:
         if bad in err or bad in out:
@@ -535,13 +732,53 @@ def judge(mk: Mistake, rc: int | None, out: str, err: str, fs: str, timeout: flo
 
 
 class Trial:
-    """The shared state of a trial: a scratch folder, the environment every entry runs in, the fixtures."""
+    """The shared state of a trial: a scratch folder, the environment every entry runs in, the fixtures, and who
+    runs the commands (`user`: another one than this process's, from root)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, user: str | None = None, python: str | None = None):
         self.root = root
         self.env = _env(root / "cache")
-        self.fixtures = Fixtures(root, self.env)
+        self.python = python or sys.executable
+        if python:  # another interpreter, with this one's packages
+            self.env["PYTHONPATH"] += os.pathsep + os.pathsep.join(site.getsitepackages())
+        self.user = pwd.getpwnam(user) if user else None
+        self.prefix: tuple[str, ...] = ()
+        if self.user:
+            root.chmod(0o755)  # (a TemporaryDirectory is its maker's alone)
+            for folder in ("cache", "home"):
+                (root / folder).mkdir(exist_ok=True)
+                self.give(root / folder)
+            self.env["HOME"] = str(root / "home")  # where matplotlib and torch keep their caches
+            self.prefix = ("setpriv", f"--reuid={self.user.pw_uid}", f"--regid={self.user.pw_gid}", "--clear-groups")
+        self.fixtures = Fixtures(self)
         self.count = 0
+
+    @property
+    def as_root(self) -> bool:
+        """Whether the commands run as root (who may write where the entries marked user_only forbid it)."""
+        return os.geteuid() == 0 and self.user is None
+
+    def give(self, path: Path) -> None:
+        """`path` and all under it to the user the commands run as (nothing to do without --as-user)."""
+        if self.user:
+            for p in [path, *path.rglob("*")]:
+                os.chown(p, self.user.pw_uid, self.user.pw_gid, follow_symlinks=False)
+
+    def paraseek(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float):
+        return _paraseek(argv, cwd, env, timeout, self.prefix, self.python)
+
+    def run_problem(self) -> str:
+        """Why the commands cannot run as this user with this interpreter ("" when they can): paraseek train starts
+        its workers with the interpreter's own path, which must be reachable by the user (a venv made from a Python
+        under /root is not, for nobody)."""
+        spawn = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', 'import torch']))"
+        proc = subprocess.run([*self.prefix, self.python, "-c", spawn], cwd=self.root, env=self.env,
+                              capture_output=True, text=True)
+        if proc.returncode == 0:
+            return ""
+        return (f"{self.python} cannot start Python processes as {self.user.pw_name if self.user else 'this user'} "
+                f"({(proc.stderr.strip().splitlines() or ['exit code ' + str(proc.returncode)])[-1]}); give one "
+                f"this user can run with --python, e.g. --python /usr/bin/python3")
 
     def check(self, mk: Mistake) -> tuple[list[str], str, float]:
         """Run one entry in a fresh folder: (what is wrong, its stderr, seconds)."""
@@ -551,6 +788,11 @@ class Trial:
         _write(work, mk.files)
         for rel, name in mk.fixtures.items():
             shutil.copytree(self.fixtures.get(name), work / rel)
+        if mk.setup:
+            mk.setup(work, self.root / "cache")
+            self.give(self.root / "cache")
+        self.give(work)
+        _set_modes(work, mk.files)
         port, held = _free_port(listen=mk.hold_port)
         fill = {"{tok}": str(TOKENIZER), "{corpus}": str(CORPUS), "{port}": str(port), "{freeport}": str(port),
                 "{longprompt}": "the beginning " * 300}
@@ -558,13 +800,14 @@ class Trial:
         before = _snapshot(work)
         t0 = time.perf_counter()
         try:
-            rc, out, err = _paraseek(argv, work, self.env, mk.timeout)
+            rc, out, err = self.paraseek(argv, work, {**self.env, **mk.env}, mk.timeout)
         finally:
             if held is not None:
                 held.close()
         took = time.perf_counter() - t0
-        why = judge(mk, rc, out, err, _fs_change(before, _snapshot(work)), mk.timeout, _fill(mk.phrase, fill))
-        shutil.rmtree(work, ignore_errors=True)
+        why = judge(mk, rc, out, err, _fs_change(before, _snapshot(work), mk.leaves), mk.timeout,
+                    _fill(mk.phrase, fill))
+        _remove(work)
         return why, err, took
 
 
@@ -572,16 +815,23 @@ def gpu_visible() -> bool:
     return shutil.which("nvidia-smi") is not None and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
 
 
-def run(selected: list[Mistake], verbose: bool) -> int:
+def run(selected: list[Mistake], verbose: bool, user: str | None = None, python: str | None = None) -> int:
     started = time.perf_counter()
     gpu = gpu_visible()
-    right, wrong, skipped = 0, [], 0
+    right, wrong, skipped = 0, [], {}
     with tempfile.TemporaryDirectory(prefix="paraseek-trial-") as tmp:
-        trial = Trial(Path(tmp))
+        trial = Trial(Path(tmp), user, python)
+        if user and (why := trial.run_problem()):
+            print(f"mistakes.py: {why}", file=sys.stderr)
+            return 2
+        who = f"as {user}" if user else ("as root" if trial.as_root else f"as {pwd.getpwuid(os.geteuid()).pw_name}")
+        print(f"(running the commands {who})", flush=True)
         for mk in selected:
-            if mk.no_gpu and gpu:
-                skipped += 1
-                print(f"SKIP  {mk.name} (a GPU is visible)")
+            reason = ("a GPU is visible" if mk.no_gpu and gpu else
+                      "root is let through there" if mk.user_only and trial.as_root else "")
+            if reason:
+                skipped[reason] = skipped.get(reason, 0) + 1
+                print(f"SKIP  {mk.name} ({reason})")
                 continue
             why, err, took = trial.check(mk)
             if why:
@@ -594,7 +844,8 @@ def run(selected: list[Mistake], verbose: bool) -> int:
                 right += 1
                 print(f"OK    {mk.name}  [{took:.1f} s]" if verbose else f"OK    {mk.name}", flush=True)
     total = right + len(wrong)
-    print(f"\n{right} of {total} handled right" + (f" ({skipped} skipped: a GPU is visible)" if skipped else "")
+    skips = "; ".join(f"{n} skipped: {reason}" for reason, n in skipped.items())
+    print(f"\n{right} of {total} handled right {who}" + (f" ({skips})" if skips else "")
           + f", in {time.perf_counter() - started:.0f} s")
     if wrong:
         print("wrong: " + "; ".join(wrong))
@@ -613,17 +864,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the entries whose name holds this text (repeatable)")
     p.add_argument("--list", action="store_true", help="print the table and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="every stderr line of a wrong entry, and timings")
+    p.add_argument("--as-user", metavar="USER", help="run every command as USER, e.g. nobody (needs root: setpriv)")
+    p.add_argument("--python", metavar="PATH", help="the interpreter the commands run with, given this one's packages "
+                   "(default: this one; for --as-user, one that user can run)")
     ns = p.parse_args(argv)
+    if ns.as_user:
+        try:
+            pwd.getpwnam(ns.as_user)
+        except KeyError:
+            p.error(f"--as-user {ns.as_user}: no such user")
+        if os.geteuid() != 0:
+            p.error("--as-user needs root (it drops to that user for each command); as that user, leave it out")
     selected = [mk for mk in MISTAKES if not ns.only or any(k.lower() in mk.name.lower() for k in ns.only)]
     if ns.list:
         for mk in selected:
-            print(f"{mk.name}\n    paraseek {shlex.join(mk.argv)}\n    -> exit 2, one line saying {mk.phrase!r}")
+            print(f"{mk.name}\n    paraseek {shlex.join(mk.argv)}\n    -> exit {mk.rc}, one line saying {mk.phrase!r}")
         print(f"{len(selected)} mistakes")
         return 0
     if not selected:
         print(f"no entry matches {ns.only}", file=sys.stderr)
         return 2
-    return run(selected, ns.verbose)
+    return run(selected, ns.verbose, ns.as_user, ns.python)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ def _model_summary(spec: str, seq_len: int) -> dict[str, Any]:
     from paraseek.models.stats import attention_flops_per_token
 
     args, _, folder = resolve_model(spec)
+    if seq_len > args.max_seq_len:  # the FLOPs of a sequence the model cannot run would describe nothing
+        raise UserError(f"--seq-len {seq_len} is longer than {spec}'s {args.max_seq_len:,} positions "
+                        f"(max_position_embeddings); use --seq-len {args.max_seq_len} or less")
     c = param_counts(args)
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     if args.is_mla:

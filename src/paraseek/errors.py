@@ -3,8 +3,10 @@ one-line readers of user files."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +28,11 @@ def read_jsonl_rows(path: str | Path, what: str) -> Iterator[tuple[int, dict, in
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -53,10 +59,19 @@ def parse_range(spec: str, what: str) -> tuple[int, int]:
     return lo_i, hi_i
 
 
+# Why a probe file could not be made, in the user's words (errno's own text for the rest).
+_CANNOT_WRITE = {errno.EROFS: "a read-only file system", errno.EACCES: "permission denied",
+                 errno.EPERM: "permission denied", errno.ENOSPC: "no space left on the disk",
+                 errno.EDQUOT: "the disk quota is used up",
+                 errno.ENOENT: "a virtual file system that takes no new files"}
+
+
 def check_writable(what: str, path: str, folder: bool) -> None:
     """An output path (a `folder` or a file) that the command will write or make later, refused now if it cannot
-    be: a file where a folder is meant or the reverse, a file in the way of the folders to make, no permission.
-    Nothing is created here: a refused command leaves nothing behind."""
+    be: a file where a folder is meant or the reverse, a file in the way of the folders to make, or a folder (the
+    path itself or its nearest existing parent) in which no file can be made. That last one is tried, not asked
+    (os.access says yes to root on a read-only mount or /proc): a probe file is made there and removed at once, so a
+    refused command leaves nothing behind. An existing file is opened for appending, which changes nothing."""
     p = Path(path).expanduser().absolute()
     if p.exists() and p.is_dir() != folder:
         raise UserError(f"{what} {path}: that is a {'file' if folder else 'folder'}; give a "
@@ -65,8 +80,19 @@ def check_writable(what: str, path: str, folder: bool) -> None:
     ancestor = next(a for a in (start, *start.parents) if a.exists())
     if not ancestor.is_dir():
         raise UserError(f"{what} {path}: {ancestor} is a file, so no folder can be made there")
-    if not os.access(ancestor, os.W_OK | os.X_OK) or (p.is_file() and not os.access(p, os.W_OK)):
-        raise UserError(f"{what} {path}: {p if p.is_file() else ancestor} is not writable by this user")
+    target = p if p.is_file() else ancestor
+    try:
+        if p.is_file():
+            with open(p, "ab"):
+                pass
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".paraseek-probe-", dir=ancestor)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        why = _CANNOT_WRITE.get(e.errno, e.strerror or type(e).__name__)
+        raise UserError(f"{what} {path}: {target} cannot be written ({why}); give a path this user can write") \
+            from None
 
 
 def check_plot(path: str | None) -> None:

@@ -369,3 +369,19 @@ def test_train_flags_resolve_doc_mask_and_refuse_contradictions(folders, tmp_pat
                              ({"eval_data": str(tmp_path / "nope")}, "no such file or folder"),
                              ({"chat_template": str(tmp_path / "nope.jinja")}, "--chat-template .*: no such file")]:
         one_line(message, validate, cfg(**changes), False, 0)
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda c: (c / "meta.json").unlink(), "meta.json: No such file or directory"),
+    (lambda c: (c / "meta.json").write_text("{"), "Expecting property name"),
+    (lambda c: (c / "roles.u8").write_bytes((c / "roles.u8").read_bytes()[:-3]), "do not agree"),
+    (lambda c: (c / "docs.i64").write_bytes((c / "docs.i64").read_bytes()[:-8]), "do not agree"),
+    (lambda c: (c / "tokens.u32").write_bytes((c / "tokens.u32").read_bytes()[:-2]), "do not agree"),
+])
+def test_a_damaged_chat_cache_is_one_line_naming_it(folders, tmp_path, damage, why):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
+    first = open_chat(path, folders["deepseek_v3"])
+    [cached] = (tmp_path / "cache" / "tokens").glob("*.chat")
+    assert (cached / "docs.i64").stat().st_size == 8 * (len(CHATS) + 1) and len(first.tokens) > 0
+    damage(cached)
+    one_line(rf"^the token cache {cached} is damaged \(.*{why}.*\): delete it", open_chat, path, folders["deepseek_v3"])

@@ -1,19 +1,24 @@
-"""The checkpoint folder's rules on real DCP folders (written in this process, no process group): which step
---resume takes past each kind of damage, what is refused before a worker starts (one line, exit code 2), the resume
-command a stopped run prints, and the lr schedule a resume keeps."""
+"""The checkpoint folder's rules on real DCP folders (written in this process): which step --resume takes past each
+kind of damage, what is refused before a worker starts (one line, exit code 2), what a resume with nothing left to
+train or no checkpoint to continue says, the resume command a stopped run prints, the lr schedule a resume keeps,
+and what a save that fails leaves (the last good checkpoint) and says."""
 
+import errno
 import json
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from paraseek.cli import main
 from paraseek.errors import UserError
 from paraseek.models import build_model, resolve_model
-from paraseek.train.checkpoint import latest_checkpoint, prepare_checkpoint_dir
+from paraseek.train.checkpoint import latest_checkpoint, prepare_checkpoint_dir, save_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.optim import lr_at, resumed_schedule, schedule_of
 from paraseek.train.stop import ARGV_ENV, resume_command, stop_message
@@ -134,3 +139,76 @@ def test_a_resume_keeps_the_original_lr_schedule_unless_reset():
     assert lr_at(kept, 15) == lr_at(kept, 10) == pytest.approx(0.001)  # past the original end: its final value
     assert resumed_schedule(replace(longer, lr_schedule_reset=True), state).steps == 20
     assert resumed_schedule(longer, {"step": 6, "config": schedule_of(original)}).lr == 0.01  # older checkpoints
+
+
+def test_a_resume_says_where_it_found_no_checkpoint_and_returns_the_step_it_continues_from(tmp_path):
+    cfg = TrainConfig(model="tiny-dense", checkpoint_dir=str(tmp_path / "ckpt"), resume=True)
+    warned = []
+    assert prepare_checkpoint_dir(cfg, _shapes, warn=warned.append) == 0
+    assert warned == [f"no checkpoint found in {tmp_path / 'ckpt'} (no such folder yet: it is made); starting from "
+                      "step 0 (a run meant to be continued has its checkpoints elsewhere)"]
+    (tmp_path / "ckpt").mkdir()
+    warned.clear()
+    assert prepare_checkpoint_dir(cfg, _shapes, warn=warned.append) == 0 and "(an empty folder)" in warned[0]
+    _write_step(tmp_path / "ckpt", 3)
+    warned.clear()
+    assert prepare_checkpoint_dir(cfg, _shapes, warn=warned.append) == 3 and warned == []
+
+
+def test_a_resume_with_no_step_left_ends_with_exit_code_0_and_one_line(tmp_path, capsys, monkeypatch):
+    from paraseek.train import launch
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    _write_step(ck, 2)
+    monkeypatch.setattr(launch, "launch", lambda cfg: pytest.fail("launched with nothing to train"))
+    code, err = _train(["--steps", "2", "--checkpoint-dir", str(ck), "--resume"], capsys, monkeypatch)
+    assert code == 0 and err == (f"paraseek: --resume: {ck} holds step 2 and --steps is 2: nothing left to train "
+                                 f"(raise --steps to train on; `paraseek export {ck} OUT` writes the model)")
+    cfg = TrainConfig(model="tiny-dense", steps=2, checkpoint_dir=str(ck), resume=True)
+    launch.check_steps(replace(cfg, steps=3), 2)  # one step left
+    launch.check_steps(replace(cfg, export_hf=str(tmp_path / "hf")), 2)  # the export is still to be written
+    with pytest.raises(UserError, match=r"--profile-steps 1:3: this run trains step 3 \(steps 1-2 before this "
+                                        r"--resume\), so that window would never be profiled; give A:B with 3 <= A"):
+        launch.check_steps(replace(cfg, steps=3, profile_steps="1:3"), 2)
+
+
+def test_an_unwritable_checkpoint_folder_stops_the_run_before_step_1_in_one_line(capsys, monkeypatch):
+    from paraseek.train import launch
+
+    monkeypatch.setattr(launch, "launch", lambda cfg: pytest.fail("launched"))
+    code, err = _train(["--checkpoint-dir", "/proc/paraseek-ck"], capsys, monkeypatch)  # not writable, for root too
+    assert code == 2 and err == ("paraseek: error: --checkpoint-dir /proc/paraseek-ck: /proc cannot be written (a "
+                                 "virtual file system that takes no new files); give a path this user can write")
+
+
+@pytest.mark.parametrize("failure, why", [
+    (CheckpointException("save", {0: (OSError(errno.ENOSPC, "No space left on device"), None)}),
+     "OSError: [Errno 28] No space left on device"),
+    (PermissionError(errno.EACCES, "Permission denied"), "PermissionError: [Errno 13] Permission denied"),
+])
+def test_a_save_that_fails_keeps_the_last_good_checkpoint_and_says_what_failed(tmp_path, monkeypatch, failure, why):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        ck = tmp_path / "ck"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = save_checkpoint(ck, 1, model, optimizer, {"data": {"position": 8}})
+
+        def disk_fills(state, checkpoint_id):  # a shard half written, then the failure
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+            raise failure
+
+        monkeypatch.setattr(dcp, "save", disk_fills)
+        with pytest.raises(RuntimeError) as e:
+            save_checkpoint(ck, 2, model, optimizer, {"data": {"position": 16}})
+    finally:
+        dist.destroy_process_group()
+    assert str(e.value) == (f"checkpoint step 2 could not be written to {ck} ({why}); the newest complete "
+                            f"checkpoint, {first}, is kept")
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-000001"]  # the partial step-000002.tmp is gone
+    assert latest_checkpoint(ck) == first and (ck / "latest").read_text() == "step-000001\n"

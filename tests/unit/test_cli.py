@@ -40,6 +40,9 @@ def test_info_table_for_an_hf_folder(tmp_path):
     (["info", "deepseek-v9"], "unknown model 'deepseek-v9'"),
     (["info", "/nonexistent/folder"], "no such folder"),
     (["info", "tiny-moe", "--seq-len", "0"], "--seq-len must be positive"),
+    (["info", "tiny-moe", "--seq-len", "513"], "--seq-len 513 is longer than tiny-moe's 512 positions"),
+    (["plan", "--model", "deepseek-v2-lite", "--gpus", "8", "--gpu-type", "A100-80GB", "--mode", "infer",
+      "--weight-dtype", "fp8", "--global-batch-size", "8"], "--weight-dtype fp8: A100-80GB has no float8 tensor cores"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message):
     r = run(*argv)
@@ -47,6 +50,13 @@ def test_bad_input_exits_2_with_one_line(argv, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_the_limits_themselves_are_accepted():
+    assert run("info", "tiny-moe", "--seq-len", "512").returncode == 0  # the model's positions exactly
+    r = run("plan", "--model", "deepseek-v2-lite", "--gpus", "8", "--gpu-type", "H100", "--mode", "infer",
+            "--weight-dtype", "fp8", "--global-batch-size", "8", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["weight_dtype"] == "fp8", r.stderr
 
 
 def test_help_lists_only_working_subcommands():

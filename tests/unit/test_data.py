@@ -3,8 +3,10 @@
 References are computed another way: token streams straight from `tokenizers` on the same documents, step contents
 from the layout rule written out by hand (positions [s*B, (s+1)*B), rank slices, micro-batches)."""
 
+import gzip
 import json
 import random
+import re
 import sys
 import threading
 import time
@@ -287,3 +289,53 @@ def test_global_batch_not_divisible(gbs, mbs, dp):
     with pytest.raises(UserError, match=rf"--global-batch-size {gbs} is not a multiple of dp size {dp} x "
                                         rf"--micro-batch-size {mbs} = {dp * mbs}"):
         DataLoader(ds, global_batch_size=gbs, micro_batch_size=mbs, dp_rank=0, dp_size=dp)
+
+
+# ---------------------------------------------------------------- files that are not what their name says
+
+
+def _parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": texts}), path)
+    return path
+
+
+@pytest.mark.parametrize("name, damage, message", [
+    ("c.parquet", lambda p: p.write_text("text\nIn the beginning\n"), "c.parquet: not a readable parquet file"),
+    ("c.parquet", lambda p: p.write_bytes(_parquet(p, documents(50)).read_bytes()[:300]),
+     "c.parquet: not a readable parquet file"),
+    ("c.txt", lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256))), "c.txt: not UTF-8 text (it holds NUL"),
+    ("c.txt", lambda p: p.write_text("Hello, world.", encoding="utf-16"), "c.txt: not UTF-8 text (it holds NUL"),
+    ("c.jsonl", lambda p: p.write_bytes(gzip.compress(b'{"text": "hi"}\n')), "c.jsonl:1: not UTF-8"),
+    ("c.jsonl", lambda p: p.write_bytes(bytes(4096)), "c.jsonl:1: not valid JSON"),
+])
+def test_a_file_that_is_not_what_its_name_says_is_one_line_naming_it(tmp_path, cache, name, damage, message):
+    folder = txt_folder(tmp_path / "corpus", documents(3))  # good shards beside the bad one
+    damage(folder / name)
+    with pytest.raises(UserError, match="^" + re.escape(f"{folder}/{message}")) as e:
+        open_(folder)
+    assert "\n" not in str(e.value)
+    assert not list((cache / "tokens").glob("*.u32"))  # nothing half-made is cached
+
+
+def test_a_damaged_token_cache_is_one_line_naming_it(tmp_path, cache):
+    f = tmp_path / "a.txt"
+    f.write_text(" ".join(documents(5)))
+    ds = open_(f)
+    [cached] = (cache / "tokens").glob("*.u32")
+    assert cached.stat().st_size == 4 * ds.num_tokens
+    cached.write_bytes(cached.read_bytes()[:-1])  # cut inside the last token id
+    with pytest.raises(UserError, match=rf"^the token cache {cached} is damaged \({4 * ds.num_tokens - 1:,} bytes, "
+                                        r"not a whole number of 4-byte token ids\): delete it"):
+        open_(f)
+    cached.unlink()
+    assert open_(f).num_tokens == ds.num_tokens  # deleted, it is made again
+
+
+def test_a_token_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARASEEK_CACHE", "/proc/paraseek-cache")  # /proc takes no new files, for root too
+    (tmp_path / "a.txt").write_text("hello")
+    with pytest.raises(UserError, match=r"^the token cache /proc/paraseek-cache/tokens cannot be written"):
+        open_(tmp_path / "a.txt")

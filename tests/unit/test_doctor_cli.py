@@ -4,6 +4,7 @@ registers): exit codes, the JSON document, the profile, one-line errors; and und
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -72,6 +73,9 @@ def test_load_a_recorded_machine_and_save_its_profile(tmp_path):
     (["--iters", "0"], "--iters must be positive"),
     (["--load", "/nonexistent/report.json"], "--load /nonexistent/report.json: no such file"),
     (["--quick", "--save", "/nonexistent/dir/p.json"], "the folder /nonexistent/dir does not exist"),
+    # tried with a probe file, not asked of os.access (which says yes to root): refused before anything is measured
+    (["--quick", "--save", "/proc/p.json"], "--save /proc/p.json: /proc cannot be written"),
+    (["--load", "/proc/self/exe"], "--load /proc/self/exe: not JSON (not UTF-8 text"),  # a binary file
 ])
 def test_user_mistakes_exit_2_with_one_line(argv, message):
     r = doctor(*argv)
@@ -118,3 +122,21 @@ def test_two_nodes_under_torchrun_report_on_rank_0():
     world = doc["measurements"]["collectives"]["world"]
     assert world["ranks"] == 2 and world["results"]["all_reduce"][-1]["busbw_gbps"] > 0
     assert "NO_GPU" in {f["code"] for f in doc["findings"]}
+
+
+def test_a_hardware_profile_is_read_in_one_line_whatever_it_holds(tmp_path):
+    from paraseek.errors import UserError
+    from paraseek.hardware.document import load_document
+    from paraseek.hardware.profile import build_profile, load_profile
+
+    f = tmp_path / "h.json"
+    good = build_profile(load_document(str(FIXTURES / "a100_sxm_8x_one_throttled.json")))
+    f.write_text(json.dumps(good))
+    assert load_profile(f)["gpu_name"] == "NVIDIA A100-SXM4-80GB"
+    for content, message in ((b"\x89PNG\r\n\x1a\n\x00\x00", "not JSON (not UTF-8 text"),
+                             (json.dumps(dict(good, nodes="two")), "nodes is 'two', not a whole number"),
+                             (json.dumps(dict(good, matmul_tflops=[1])), "matmul_tflops is [1], not a number or null"),
+                             (json.dumps({"gpu_name": 80}), "gpu_name is 80, not the GPUs' name")):
+        f.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(UserError, match="^" + re.escape(f"hardware profile {f}: {message}")):
+            load_profile(f, required=("gpu_name",))

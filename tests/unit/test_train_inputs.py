@@ -1,7 +1,9 @@
-"""`paraseek train` input checks, issue 16 item 4: every mistake in a flag or a TOML value (type, choice, range,
-unknown name, an output path that cannot be written, a sequence longer than the model's positions, a tokenizer
-that is not the model's) costs exit code 2 and one line, before anything is launched; --print-config shows the
-merged configuration; --init-from's tokenizer is the one used and the first log line names it; --slurm's script."""
+"""`paraseek train` input checks: every mistake in a flag or a TOML value (type, choice, range, unknown name, an
+output path that cannot be written -- tried with a probe file, so /proc and /sys are refused to root too --, a file
+that is not what it claims, a flag that cannot act in the run, a sequence longer than the model's positions, a
+tokenizer that is not the model's) costs exit code 2 and one line, before anything is launched; --print-config
+shows the merged configuration; --init-from's tokenizer is the one used and the first log line names it; --slurm's
+script."""
 
 import json
 import os
@@ -99,6 +101,8 @@ MISTAKES = {
     "model and init-from differ": (["--model", "tiny-moe", "--init-from", "small"], None, None,
                                    "--model tiny-moe and --init-from small are different models"),
     "init-from without config.json": (["--init-from", "nonempty"], None, None, "not an HF folder (no config.json)"),
+    "init-from a config.json that is a picture": (["--init-from", "picture"], None, None,
+                                                  "picture/config.json: not valid JSON (not UTF-8 text"),
     # unknown names, with did-you-mean
     "flag misspelt": (["--seqlen", "128"], None, None, "unknown flag --seqlen (did you mean --seq-len?)"),
     "flag from another trainer": (["--learning-rate", "0.1"], None, None, "unknown flag --learning-rate (did you mean "
@@ -111,6 +115,10 @@ MISTAKES = {
                                                                          "mean lr?)"),
     "toml table": ([], "[train]\nsteps = 3\n", None, "unknown key 'train'"),
     "toml not toml": ([], "steps = = 3\n", None, "not valid TOML"),
+    "toml a binary file": (["--config", "picture.toml"], None, None, "--config picture.toml: not valid TOML (not "
+                                                                      "UTF-8 text"),
+    "flag by another name": (["--sequence-length", "128"], None, None, "(did you mean --seq-len?)"),
+    "toml key by another name": ([], "max_sequence_length = 128\n", None, "(did you mean seq_len?)"),
     "config missing": (["--config", "nope.toml"], None, None, "--config nope.toml: no such file"),
     # output paths
     "checkpoint-dir under a file": (["--checkpoint-dir", "afile/ck"], None, None, "afile is a file, so no folder"),
@@ -122,7 +130,13 @@ MISTAKES = {
     "tensorboard is a file": (["--tensorboard", "afile"], None, None, "--tensorboard afile: that is a file"),
     "token cache under a file": (["--data", D], None, {"PARASEEK_CACHE": "afile/c"},
                                  "the token cache ($PARASEEK_CACHE)"),
-    "output not writable": (["--checkpoint-dir", "readonly/ck"], None, None, "is not writable by this user"),
+    "output not writable": (["--checkpoint-dir", "readonly/ck"], None, None, "cannot be written (permission denied)"),
+    "checkpoint-dir on /proc": (["--checkpoint-dir", "/proc/paraseek-ck"], None, None,
+                                "--checkpoint-dir /proc/paraseek-ck: /proc cannot be written"),
+    "tensorboard on /sys": (["--tensorboard", "/sys/paraseek-tb"], None, None, "/sys cannot be written"),
+    "metrics-jsonl on /proc": (["--metrics-jsonl", "/proc/x/m.jsonl"], None, None, "/proc cannot be written"),
+    "token cache on /proc": (["--data", D], None, {"PARASEEK_CACHE": "/proc/c"}, "the token cache ($PARASEEK_CACHE) "
+                                                                                "/proc/c/tokens: /proc cannot be"),
     # data and tokenizer
     "tokenizer larger than the model's vocab": (["--model", "small", "--data", D], None, None,
                                                 "the bundled tokenizer.json has 2,048 tokens but the model's "
@@ -142,6 +156,14 @@ MISTAKES = {
     "cpu-offload on cpu": (["--cpu-offload"], None, None, "nothing to offload"),
     "fp16 on cpu": (["--precision", "fp16"], None, None, "--precision fp16 is for GPUs"),
     "profile-steps junk": (["--profile-steps", "five"], None, None, "--profile-steps 'five': expected A:B"),
+    "profile-steps past the run": (["--profile-steps", "2:3"], None, None, "--profile-steps 2:3: this run trains "
+                                                                           "steps 1-2, so that window would never"),
+    # flags that act only with another kind of parallelism
+    "sequence-parallel without tp": (["--sequence-parallel", "false"], None, None,
+                                     "--sequence-parallel false acts only with --tp N"),
+    "sequence-parallel without tp, in TOML": ([], "sequence_parallel = false\n", None, "acts only with --tp N"),
+    "pp-schedule without pp": (["--pp-schedule", "GPipe"], None, None, "--pp-schedule GPipe acts only with --pp N"),
+    "pp-virtual-stages without pp": (["--pp-virtual-stages", "2"], None, None, "--pp-virtual-stages 2 acts only"),
     "inject-fault junk": (["--inject-fault", "boom"], None, None, "--inject-fault 'boom'"),
     # nodes
     "nnodes without endpoint": (["--nnodes", "2"], None, None, "--nnodes > 1 needs --rdzv-endpoint"),
@@ -159,6 +181,10 @@ GOOD = {
     "an int for a float in TOML": ["--config", "lr.toml"],
     "text data": ["--data", D],
     "--model agreeing with --init-from": ["--model", "tiny-dense", "--init-from", "dense"],
+    "--model with --init-from its export (the tokenizer's bos/eos)": ["--model", "tiny-dense", "--init-from",
+                                                                       "exported"],
+    "--sequence-parallel false with --tp": ["--nproc", "2", "--tp", "2", "--sequence-parallel", "false"],
+    "--profile-steps inside the run": ["--profile-steps", "1:2"],
     "a bare bool flag and dashes in TOML": ["--compile", "--config", "dashes.toml"],
 }
 
@@ -174,14 +200,19 @@ def workdir(tmp_path_factory):
     (w / "dir.jsonl").mkdir()
     (w / "bad.json").write_text("{not json")
     shutil.copy(BUNDLED_TOKENIZER, w / "tok.json")
-    for name, vocab, tok in (("small", 1000, False), ("small_with_tok", 1000, True), ("dense", 2048, True)):
+    (w / "picture.toml").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    for name, vocab, tok in (("small", 1000, False), ("small_with_tok", 1000, True), ("dense", 2048, True),
+                             ("exported", 2048, True), ("picture", 2048, False)):
         (w / name).mkdir()
-        (w / name / "config.json").write_text(json.dumps(dict(preset_config("tiny-dense"), vocab_size=vocab)))
+        # exported: as paraseek writes it, the bos/eos ids of the tokenizer it trained with (the bundled one: 0, 1)
+        ids = {"bos_token_id": 0, "eos_token_id": 1} if name == "exported" else {}
+        (w / name / "config.json").write_text(json.dumps(dict(preset_config("tiny-dense"), vocab_size=vocab, **ids)))
         if tok:
             shutil.copy(BUNDLED_TOKENIZER, w / name / "tokenizer.json")
         save_file({"unused": torch.zeros(1)}, w / name / "model.safetensors")  # --init-from needs weights
     (w / "lr.toml").write_text("lr = 1\n")
     (w / "dashes.toml").write_text('lr-schedule = "linear"\nwarmup-steps = 1\n')
+    (w / "picture" / "config.json").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
     (w / "readonly").mkdir()
     os.chmod(w / "readonly", 0o500)
     return w
@@ -339,3 +370,21 @@ def test_slurm_script(workdir, monkeypatch, capsys, tmp_path):
     train = srun[srun.index("paraseek") + 1:]
     assert train[1:4] == ["-m", "paraseek", "train"] and "--slurm" not in train
     assert train[-5:] == ["--nnodes", "2", "--rdzv-endpoint", "nodeA:29500", "--resume"]
+
+
+def test_an_output_path_is_tried_with_a_probe_file_that_is_removed(tmp_path):
+    from paraseek.errors import UserError, check_writable
+
+    # /proc takes no new file whoever asks, though os.access says yes to root
+    with pytest.raises(UserError, match=r"^--run-dir /proc/x/y: /proc cannot be written \(a virtual file system"):
+        check_writable("--run-dir", "/proc/x/y", folder=True)
+    (tmp_path / "m.jsonl").write_text('{"step": 1}\n')
+    before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    check_writable("--checkpoint-dir", str(tmp_path / "new" / "ck"), folder=True)  # its nearest existing parent
+    check_writable("--metrics-jsonl", str(tmp_path / "m.jsonl"), folder=False)  # an existing file: appended to
+    after = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    assert after == before  # no probe, no folder left behind, the file unchanged
+    if os.geteuid() != 0:
+        os.chmod(tmp_path / "m.jsonl", 0o444)
+        with pytest.raises(UserError, match=r"m.jsonl cannot be written \(permission denied\)"):
+            check_writable("--metrics-jsonl", str(tmp_path / "m.jsonl"), folder=False)

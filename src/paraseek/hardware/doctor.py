@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, check_writable
 from paraseek.hardware.document import build_document, load_document, nodes_from_document
 from paraseek.hardware.profile import build_profile, save_profile
 from paraseek.hardware.rules import SEVERITIES, diagnose
@@ -96,6 +96,8 @@ def run_doctor(ns: argparse.Namespace) -> int:
         held = " and its calibration" if _has_calibration(Path(ns.save)) else ""
         raise UserError(f"--save {ns.save}: the file exists; pass --overwrite to replace it{held} (or save "
                         f"elsewhere)")
+    if ns.save:
+        check_writable("--save", ns.save, folder=False)
     cfg = _config(ns)
     if ns.load:
         doc = load_document(ns.load)

@@ -81,9 +81,13 @@ def load_document(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise UserError(f"--load {path}: no such file; give a document written by `paraseek doctor --json`")
     try:
-        doc = json.loads(p.read_text())
+        doc = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise UserError(f"--load {path}: not JSON ({e.msg} at line {e.lineno})")
+        raise UserError(f"--load {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--load {path}: not JSON (not UTF-8 text: a binary file?)") from None
+    except OSError as e:
+        raise UserError(f"--load {path}: cannot be read ({e.strerror or type(e).__name__})") from None
     if not isinstance(doc, dict) or "gpus" not in doc or "nodes" not in doc:
         raise UserError(f"--load {path}: not a paraseek doctor document (needs 'gpus' and 'nodes'); make one with "
                         "`paraseek doctor --json`")

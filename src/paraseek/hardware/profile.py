@@ -28,6 +28,9 @@ from paraseek.hardware.specs import spec_for_device_name
 SCHEMA = "paraseek.hardware_profile/1"
 REQUIRED = ("gpu_name", "memory_gib", "gpus_per_node", "nodes", "matmul_tflops", "intra_node_busbw_gbps",
             "inter_node_busbw_gbps")
+# What each required key holds (the others: a number, or null where not measured).
+_KINDS = {"gpu_name": (str,), "gpus_per_node": (int,), "nodes": (int,)}
+_KIND_NAMES = {"gpu_name": "the GPUs' name", "gpus_per_node": "a whole number", "nodes": "a whole number"}
 
 
 def _busbw_table(meas: dict[str, Any], scope: str) -> dict[str, dict[str, float]]:
@@ -105,13 +108,22 @@ def load_profile(path: str | Path, required: tuple[str, ...] = REQUIRED) -> dict
     if not p.is_file():
         raise UserError(f"hardware profile {p}: no such file; write one with `paraseek doctor --save {p}`")
     try:
-        prof = json.loads(p.read_text())
+        prof = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"hardware profile {p}: not JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"hardware profile {p}: not JSON (not UTF-8 text: a binary file?)") from None
+    except OSError as e:
+        raise UserError(f"hardware profile {p}: cannot be read ({e.strerror or type(e).__name__})") from None
     missing = [k for k in required if not isinstance(prof, dict) or k not in prof]
     if missing:
         raise UserError(f"hardware profile {p}: missing {', '.join(missing)}; write it again with "
                         f"`paraseek doctor --save {p}`")
+    for key in (k for k in REQUIRED if k in prof):  # the planner computes with them
+        value, wanted = prof[key], _KINDS.get(key, (int, float, type(None)))
+        if not isinstance(value, wanted) or isinstance(value, bool):
+            raise UserError(f"hardware profile {p}: {key} is {value!r}, not {_KIND_NAMES.get(key, 'a number or null')}"
+                            f"; write it again with `paraseek doctor --save {p}`")
     return prof
 
 

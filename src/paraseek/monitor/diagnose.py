@@ -28,7 +28,7 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     events = []
     for path in sorted(run_dir.rglob("*.jsonl")):
         try:
-            with open(path) as f:
+            with open(path, errors="replace") as f:  # damaged bytes: a line that is not JSON, skipped below
                 for line in f:
                     if '"event"' not in line:
                         continue

@@ -149,8 +149,23 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     """Write step `step` (a collective). `model_keys(name) -> bool`: only those model tensors are saved (a LoRA
     run's adapters; its frozen base is the --init-from folder the trainer state names). `keep_last` > 0 then removes
     the older step folders but the newest keep_last - 1 complete ones; `scaler` (fp16's GradScaler) has its scale and
-    growth tracker saved with the trainer state."""
+    growth tracker saved with the trainer state. A save that fails (a full disk, a folder gone read-only) removes its
+    partial step-N.tmp and raises one RuntimeError that says what failed and which checkpoint is still the newest:
+    nothing complete is touched before the new step is."""
     root = Path(root)
+    try:
+        return _save(root, step, model, optimizer, trainer_state, model_keys, keep_last, scaler)
+    except (OSError, CheckpointException) as e:
+        if dist.get_rank() == 0:
+            shutil.rmtree(root / f"step-{step:06d}.tmp", ignore_errors=True)
+        why = _first_failure(e) if isinstance(e, CheckpointException) else f"{type(e).__name__}: {e}"
+        kept = latest_checkpoint(root)
+        raise RuntimeError(f"checkpoint step {step} could not be written to {root} ({why}); "
+                           + (f"the newest complete checkpoint, {kept}, is kept" if kept else
+                              "no earlier checkpoint of this run exists")) from e
+
+
+def _save(root: Path, step: int, model, optimizer, trainer_state, model_keys, keep_last: int, scaler) -> Path:
     final, tmp = _step_dir(root, step), root / f"step-{step:06d}.tmp"
     rank = dist.get_rank()
     if rank == 0:
@@ -161,10 +176,9 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if model_keys is not None:
         model_sd = {k: v for k, v in model_sd.items() if model_keys(k)}
-    try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    except CheckpointException as e:  # not an Exception: the loop's one-line failure report would miss it
-        raise RuntimeError(f"checkpoint {tmp} could not be written: {_first_failure(e)}") from e
+    # (DCP's CheckpointException is a BaseException, not an Exception: save_checkpoint turns it into a RuntimeError
+    # the loop's one-line failure report takes)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     # RNG per rank (used by dropout-free models only for data-independent randomness; kept for exactness).
     rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
     rngs: list[str | None] = [None] * dist.get_world_size()
@@ -240,18 +254,19 @@ def model_mismatch(path: Path, shapes: dict[str, tuple[int, ...]]) -> str | None
 
 
 def prepare_checkpoint_dir(cfg, model_shapes: Callable[[], dict[str, tuple[int, ...]]], *, owner: bool = True,
-                           log: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> None:
+                           log: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> int:
     """The --checkpoint-dir rules, checked before any worker starts (the launcher; under torchrun every rank, with
-    `owner` on rank 0 only: it alone removes files):
+    `owner` on rank 0 only: it alone removes files); returns the step the run continues from (0: a fresh start).
 
     - without --resume, a folder that holds checkpoints is refused: --resume continues them, --overwrite removes them
       and starts from step 0;
     - with --resume, a new or empty folder (no step folder, no `latest`) starts from step 0 -- the same command then
-      serves the first launch and every restart, as job schedulers requeue jobs -- while a folder whose checkpoints
+      serves the first launch and every restart, as job schedulers requeue jobs -- with a warning that names the
+      folder looked in (a misspelt path would otherwise start over unnoticed), while a folder whose checkpoints
       are all damaged is refused, and so is a checkpoint of another model (names and shapes from `model_shapes()`).
     Damaged newer steps that --resume skips are reported through `warn`."""
     if not cfg.checkpoint_dir:  # (validate refuses the folder's flags without it)
-        return
+        return 0
     root = Path(cfg.checkpoint_dir)
     if root.exists() and not root.is_dir():
         raise UserError(f"--checkpoint-dir {root}: not a folder")
@@ -262,14 +277,20 @@ def prepare_checkpoint_dir(cfg, model_shapes: Callable[[], dict[str, tuple[int, 
     if cfg.resume:
         path = needed_checkpoint(root, "move the damaged folders away, or start again from step 0 with --overwrite "
                                        "instead of --resume", warn, prefix="--resume: ")
-        if path is not None and (why := model_mismatch(path, model_shapes())):
+        if path is None:
+            if warn:
+                what = "an empty folder" if root.is_dir() else "no such folder yet: it is made"
+                warn(f"no checkpoint found in {root.absolute()} ({what}); starting from step 0 (a run meant to be "
+                     f"continued has its checkpoints elsewhere)")
+            return 0
+        if why := model_mismatch(path, model_shapes()):
             written = json.loads((path / "trainer_state.json").read_text()).get("config") or {}
             source = written.get("init_from") or written.get("model")
             raise UserError(f"--resume: {path} holds another model{f' ({source})' if source else ''} than "
                             f"{cfg.init_from or cfg.model}: {why}; point --checkpoint-dir at this model's checkpoints")
-        return
+        return _step_of(path)
     if not held:
-        return
+        return 0
     newest = step_folders(root)
     if not cfg.overwrite:
         which = f" (newest {newest[-1].name})" if newest else ""
@@ -280,6 +301,7 @@ def prepare_checkpoint_dir(cfg, model_shapes: Callable[[], dict[str, tuple[int, 
             _discard(path)
         (root / "latest").unlink(missing_ok=True)
         log(f"--overwrite: removed {len(newest)} checkpoint(s) from {root}")
+    return 0
 
 
 def full_model_state(model: nn.Module, leaders: list[int] | None = None) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -331,7 +332,7 @@ def data_kind(files: list[Path]) -> str:
             row = next((row for row, _, _ in _jsonl_rows(path)), {})
             kinds[path] = row_kind(row) or "text"  # a row of neither kind fails with its line number later
         else:
-            names = _pyarrow(path).ParquetFile(path).schema_arrow.names
+            names = _parquet_file(path).schema_arrow.names
             kinds[path] = "chat" if {"messages", "prompt"} & set(names) else "text"
     if len(set(kinds.values())) > 1:
         chat = next(f for f, k in kinds.items() if k == "chat")
@@ -429,23 +430,43 @@ def cached_tokens(files: list[Path], tok, tok_file: Path, eos: int) -> np.ndarra
     same stream and the last rename wins harmlessly."""
     path = cache_path(files, tok_file, eos)
     build_once(path, lambda tmp: tokenize_into(tmp, files, tok, eos))
-    if path.stat().st_size == 0:  # np.memmap refuses empty files
+    size = path.stat().st_size
+    if not path.is_file():
+        _damaged(path, "a folder where the file of token ids belongs")
+    if size % 4:
+        _damaged(path, f"{size:,} bytes, not a whole number of 4-byte token ids")
+    if size == 0:  # np.memmap refuses empty files
         return np.zeros(0, dtype="<u4")
     return np.memmap(path, dtype="<u4", mode="r")
 
 
+def _damaged(path: Path, why: str) -> NoReturn:
+    raise UserError(f"the token cache {path} is damaged ({why}): delete it and run again (it is made again from the "
+                    f"data)")
+
+
 def build_once(path: Path, build) -> None:
     """Make `path` (a file or a folder) with build(tmp) unless it exists: under an exclusive flock, so that the
-    ranks of a node build it once, and whole (tmp + os.replace), so that a crash never leaves half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    ranks of a node build it once, and whole (tmp + os.replace), so that a crash never leaves half of it. A cache
+    that cannot be written (a full disk) is one UserError; the input files' own errors are theirs."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # read-only is enough for flock, and lets another user read a cache made by someone else
+        lock = os.open(path.with_suffix(".lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"the token cache {path.parent} cannot be written ({e.strerror}); set $PARASEEK_CACHE to a "
+                        f"folder this user can write") from None
+    with os.fdopen(lock) as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
         if path.exists():
             return
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             build(tmp)
             os.replace(tmp, path)
+        except OSError as e:
+            raise UserError(f"the token cache {path.parent} cannot be written ({e.strerror}); free space there or set "
+                            f"$PARASEEK_CACHE to another folder") from None
         finally:
             if tmp.is_dir():
                 shutil.rmtree(tmp)
@@ -500,13 +521,22 @@ def cached_chat(files: list[Path], tok) -> tuple[np.ndarray, np.ndarray, np.ndar
         render_into(tmp, files, ChatEncoder(tok))
 
     build_once(path, build)
-    meta = json.loads((path / "meta.json").read_text())
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        sizes = {name: (path / name).stat().st_size for name in ("tokens.u32", "roles.u8", "docs.i64")}
+        docs = np.fromfile(path / "docs.i64", dtype="<i8") if sizes["docs.i64"] % 8 == 0 else None
+    except (OSError, ValueError) as e:
+        _damaged(path, f"{Path(e.filename).name}: {e.strerror}" if isinstance(e, OSError) and e.filename else
+                 _first_line(e))
+    n = sizes["tokens.u32"] // 4
+    if (sizes["tokens.u32"] % 4 or sizes["roles.u8"] != n or docs is None or not isinstance(meta, dict)
+            or meta.get("rows") != len(docs) - 1 or docs[0] != 0 or docs[-1] != n):
+        _damaged(path, "its token, role and document files do not agree")
 
     def load(name: str, dtype: str) -> np.ndarray:
-        file = path / name
-        return np.memmap(file, dtype=dtype, mode="r") if file.stat().st_size else np.zeros(0, dtype=dtype)
+        return np.memmap(path / name, dtype=dtype, mode="r") if sizes[name] else np.zeros(0, dtype=dtype)
 
-    return load("tokens.u32", "<u4"), load("roles.u8", "u1"), np.fromfile(path / "docs.i64", dtype="<i8"), meta
+    return load("tokens.u32", "<u4"), load("roles.u8", "u1"), docs, meta
 
 
 def render_into(out: Path, files: list[Path], encoder: ChatEncoder) -> None:
@@ -556,8 +586,8 @@ class _progress:
 def iter_documents(files: list[Path]) -> Iterator[tuple[str, int]]:
     """(document text, input bytes it stands for) in file order; the bytes only drive the progress bar."""
     for path in files:
-        if path.suffix == ".txt":  # a stray bad byte becomes U+FFFD rather than stopping a long run
-            yield path.read_text(encoding="utf-8", errors="replace"), path.stat().st_size
+        if path.suffix == ".txt":
+            yield _read_text(path)
         elif path.suffix == ".jsonl":
             for doc, where, nbytes in _jsonl_rows(path):
                 if not isinstance(doc.get("text"), str):
@@ -565,7 +595,7 @@ def iter_documents(files: list[Path]) -> Iterator[tuple[str, int]]:
                                     f'or, in a chat corpus, "messages" or "prompt" and "completion")')
                 yield doc["text"], nbytes
         else:  # .parquet
-            pf = _pyarrow(path).ParquetFile(path)
+            pf = _parquet_file(path)
             if "text" not in pf.schema_arrow.names:
                 raise UserError(f'{path}: no "text" column (columns: {", ".join(pf.schema_arrow.names)})')
             for text, nbytes in _parquet_rows(path, ["text"]):
@@ -583,7 +613,7 @@ def iter_chat_rows(files: list[Path]) -> Iterator[tuple[dict, str, int]]:
                                     f'with "messages", or "prompt" and "completion")')
                 yield row, where, nbytes
         else:
-            names = _pyarrow(path).ParquetFile(path).schema_arrow.names
+            names = _parquet_file(path).schema_arrow.names
             columns = [c for c in ("messages", "tools", "prompt", "completion") if c in names]
             for i, (row, nbytes) in enumerate(_parquet_rows(path, columns)):
                 yield {k: v for k, v in row.items() if v is not None}, f"{path} row {i}", nbytes
@@ -596,10 +626,42 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[dict, str, int]]:
         yield row, f"{path}:{n}", nbytes
 
 
+def _read_text(path: Path) -> tuple[str, int]:
+    """A .txt document and its size in bytes. A stray bad byte becomes U+FFFD rather than stopping a long run; a file
+    with NUL bytes is not text (a binary file, or UTF-16) and is refused."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if b"\0" in raw:
+        raise UserError(f"{path}: not UTF-8 text (it holds NUL bytes: a binary file, or UTF-16 text); give text files")
+    return raw.decode("utf-8", errors="replace"), len(raw)
+
+
+def _parquet_file(path: Path):
+    """pyarrow's ParquetFile of `path`: a file that is not parquet, or is cut short, is one UserError."""
+    pq = _pyarrow(path)
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors
+        raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[dict, int]]:
-    pf = _pyarrow(path).ParquetFile(path)
+    pf = _parquet_file(path)
     rows = max(pf.metadata.num_rows, 1)
-    for batch in pf.iter_batches(columns=columns, batch_size=1024):
+    batches = pf.iter_batches(columns=columns, batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, ValueError) as e:  # a damaged row group
+            raise UserError(f"{path}: a damaged parquet row group ({_first_line(e)})") from None
+        if batch is None:
+            return
         share = path.stat().st_size * batch.num_rows // rows
         for i, row in enumerate(batch.to_pylist()):
             yield row, share if i == 0 else 0

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from paraseek.errors import UserError
-from paraseek.train.config import TrainConfig, config_toml, from_namespace, resolve_defaults, validate
+from paraseek.train.config import (TrainConfig, check_profile_window, config_toml, from_namespace, resolve_defaults,
+                                   validate)
 from paraseek.train.stop import ARGV_ENV
 from paraseek.train.worker import CONFIG_ENV
 
@@ -64,18 +65,26 @@ def cmd_train(ns: argparse.Namespace) -> int:
         try:
             cfg = resolve_defaults(cfg, cuda, gpus)
             validate(cfg, cuda, gpus)
-            _check_checkpoint_dir(cfg, owner=first)
+            check_steps(cfg, _check_checkpoint_dir(cfg, owner=first))
         except UserError as e:
             if first:
                 print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
             return 2
+        except NothingToTrain as e:
+            if first:
+                print(f"paraseek: {e}", file=sys.stderr, flush=True)
+            return 0
         from paraseek.train.worker import run
 
         run(cfg)  # does not return: the worker exits with the run's code
     if ns.print_config:
         print(config_toml(prepare(cfg, open_data=False)[0]), end="")
         return 0
-    cfg, _ = prepare(cfg)
+    try:
+        cfg, _ = prepare(cfg)
+    except NothingToTrain as e:
+        print(f"paraseek: {e}", file=sys.stderr, flush=True)
+        return 0
     return launch(cfg)
 
 
@@ -95,7 +104,8 @@ def print_slurm_script(cfg: TrainConfig, argv: list[str]) -> int:
 
 def prepare(cfg: TrainConfig, with_prediction: bool = False, open_data: bool = True) -> tuple[TrainConfig, dict | None]:
     """Everything before the launch, in the parent: machine defaults, --plan auto, validation, model and data
-    checks (`open_data`: tokenize the corpus into its cache). With `with_prediction`, also the planner's prediction
+    checks (`open_data`: tokenize the corpus into its cache, then the checkpoint folder and the steps left: a
+    --resume of a run that is done raises NothingToTrain). With `with_prediction`, also the planner's prediction
     for the plan (None off CUDA or on an unknown GPU)."""
     import torch
 
@@ -107,15 +117,29 @@ def prepare(cfg: TrainConfig, with_prediction: bool = False, open_data: bool = T
     validate(cfg, cuda, gpus)
     if open_data:
         _check_data(cfg)
-        _check_checkpoint_dir(cfg)
+        check_steps(cfg, _check_checkpoint_dir(cfg))
     return cfg, (_predict(cfg) if with_prediction and cuda else None)
 
 
-def _check_checkpoint_dir(cfg: TrainConfig, owner: bool = True) -> None:
+class NothingToTrain(Exception):
+    """A --resume of a run whose checkpoint is at --steps already: the command ends with exit code 0 and this line."""
+
+
+def check_steps(cfg: TrainConfig, start: int) -> None:
+    """The steps a run resumed at `start` trains, start + 1 .. --steps, against what needs them: none left is
+    NothingToTrain (unless --export-hf is still to be written), and --profile-steps must lie inside them."""
+    if start >= cfg.steps and not cfg.export_hf:
+        raise NothingToTrain(f"--resume: {cfg.checkpoint_dir} holds step {start} and --steps is {cfg.steps}: nothing "
+                             f"left to train (raise --steps to train on; `paraseek export {cfg.checkpoint_dir} OUT` "
+                             f"writes the model)")
+    check_profile_window(cfg, start)
+
+
+def _check_checkpoint_dir(cfg: TrainConfig, owner: bool = True) -> int:
     """checkpoint.prepare_checkpoint_dir with this model's parameter names and shapes from a meta-device build (no
-    memory), printing from one process only."""
+    memory), printing from one process only; the step the run continues from (0: a fresh start)."""
     if not cfg.checkpoint_dir and not cfg.overwrite:
-        return  # nothing to check (and torch's DCP stays unimported: a second of the launcher's start)
+        return 0  # nothing to check (and torch's DCP stays unimported: a second of the launcher's start)
     from paraseek.train.checkpoint import prepare_checkpoint_dir
 
     def shapes() -> dict[str, tuple[int, ...]]:
@@ -138,7 +162,7 @@ def _check_checkpoint_dir(cfg: TrainConfig, owner: bool = True) -> None:
     say = (lambda line: print(line, flush=True)) if owner else (lambda line: None)
     warn = (lambda line: print(f"paraseek: warning: --resume: {line}", file=sys.stderr, flush=True)) if owner \
         else None
-    prepare_checkpoint_dir(cfg, shapes, owner=owner, log=say, warn=warn)
+    return prepare_checkpoint_dir(cfg, shapes, owner=owner, log=say, warn=warn)
 
 
 def _predict(cfg: TrainConfig) -> dict | None:
