@@ -1,7 +1,7 @@
 """Pipeline parallelism through `paraseek train` (gloo, fp32, real processes) against one process.
 
-A 4-layer tiny-moe (V3-shaped: MLA, one dense layer, then shared + routed experts, and an MTP module, which is kept
-but not trained) starts from one seeded HF folder (routers with std 1, see dist_helpers.seed_checkpoint) and trains 6
+A 4-layer tiny-moe (V3-shaped: MLA, one dense layer, then shared + routed experts, and an MTP module, which trains
+with it by default, on the last stage) starts from one seeded HF folder (routers with std 1, see dist_helpers.seed_checkpoint) and trains 6
 steps of 8 sequences at the training issue's exact settings. One process with 8 accumulated micro-batches is the
 reference; pp = 2 runs every schedule torch provides (two virtual stages per rank for the interleaved ones: 4
 stages), pp = 4 puts one layer on each rank (rank 0 without MoE layers), pp x tp, pp x ep x dp_shard and (no
@@ -105,8 +105,8 @@ def test_pp2_ep2_dp_shard2_equals_single_process(reference, tmp_path):
                   "--pp-schedule", "Interleaved1F1B")
     assert_same_losses(got, ref, RTOL)
     _same_grad_norms(tmp_path, ref_rows)
-    # Expert-load telemetry covers every stage's MoE layers (3 of the 4 main layers; the MTP module never runs)
-    # and equals the single process's: the same tokens go to the same experts.
+    # Expert-load telemetry covers every stage's MoE layers (3 of the 4 main layers, then the MTP module's, on the
+    # last stage) and equals the single process's: the same tokens go to the same experts.
     for step, row in _steps(tmp_path / "m.jsonl").items():
         assert row["expert_load_max_over_mean_per_layer"] == ref_rows[step]["expert_load_max_over_mean_per_layer"]
         assert row["expert_tokens_max"] == ref_rows[step]["expert_tokens_max"]

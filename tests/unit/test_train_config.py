@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from paraseek.errors import UserError
-from paraseek.train.config import TrainConfig, add_arguments, from_namespace, resolve_defaults, validate
+from paraseek.train.config import TrainConfig, add_arguments, did_you_mean, from_namespace, resolve_defaults, validate
 from paraseek.train.optim import lr_at
 
 
@@ -49,3 +49,27 @@ def test_lr_schedules():
     assert lr_at(cfg, 110) == pytest.approx(0.1)
     assert lr_at(TrainConfig(**{**cfg.__dict__, "lr_schedule": "linear"}), 60) == pytest.approx(0.55)
     assert lr_at(TrainConfig(**{**cfg.__dict__, "lr_schedule": "constant"}), 100) == 1.0
+
+
+TRAIN_NAMES = [f for f in TrainConfig.__dataclass_fields__]
+
+
+@pytest.mark.parametrize("word, meant", [
+    # other tools' names and spellings: by meaning, where the closest spelling is another field
+    ("sequence_len", "seq_len"), ("--sequence-length", "seq_len"), ("max_seq_len", "seq_len"),
+    ("max_sequence_length", "seq_len"), ("seq-length", "seq_len"), ("--batch-size", "global_batch_size"),
+    ("lr-warmup", "warmup_steps"), ("num_warmup_steps", "warmup_steps"), ("warmup_iters", "warmup_steps"),
+    ("train_iters", "steps"), ("--max-steps", "steps"), ("num_gpus", "nproc"), ("tensor_parallel_size", "tp"),
+    ("ckpt_dir", "checkpoint_dir"), ("checkpoint_interval", "checkpoint_every"), ("eval_interval", "eval_every"),
+    ("learning_rate", "lr"),
+    # misspellings: by spelling
+    ("stpes", "steps"), ("--seqlen", "seq_len"), ("grad_clipp", "grad_clip"),
+])
+def test_did_you_mean_by_meaning_and_by_spelling(word, meant):
+    assert did_you_mean(word, TRAIN_NAMES) == f" (did you mean {meant}?)"
+
+
+def test_did_you_mean_picks_the_name_the_command_has():
+    assert did_you_mean("--max-seq-len", ["max_model_len", "max_num_seqs", "prompt"]) == \
+        " (did you mean max_model_len?)"  # generate's and serve's word for it
+    assert did_you_mean("--frobnicate", TRAIN_NAMES) == ""

@@ -74,7 +74,7 @@ class ModelArgs:
     norm_topk_prob: bool = False
     aux_loss_alpha: float = 0.0  # V2's sequence-/batch-level balance loss weight (training only)
     seq_aux: bool = False
-    n_mtp_layers: int = 0  # V3's multi-token-prediction modules (num_nextn_predict_layers), kept through load/save
+    n_mtp_layers: int = 0  # multi-token-prediction modules (num_nextn_predict_layers): V3's, or --mtp-layers' fresh ones
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
@@ -174,8 +174,9 @@ class ModelArgs:
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
                 aux_loss_alpha=float(cfg.get("aux_loss_alpha") or 0.0),
                 seq_aux=bool(cfg.get("seq_aux", False)),
-                n_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )
+        # V3's key; a Llama or Qwen2 model trained with --mtp-layers carries it too (models/hf.py: V3's layout)
+        kw["n_mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
         args = cls(**kw)
         args.validate()
         return args
@@ -245,9 +246,23 @@ class ModelArgs:
                 seq_aux=self.seq_aux,
                 rope_interleave=self.rope_interleave,
             )
-            if self.model_type == "deepseek_v3":
-                cfg["num_nextn_predict_layers"] = self.n_mtp_layers
+        if self.model_type == "deepseek_v3" or self.n_mtp_layers:
+            cfg["num_nextn_predict_layers"] = self.n_mtp_layers
         return cfg
+
+
+# The fields that do not make two models' weights different: the special-token ids are the tokenizer's, and MTP
+# modules ride beside the model (a run may add them: --mtp-layers).
+NOT_ARCHITECTURE = ("bos_token_id", "eos_token_id", "n_mtp_layers")
+
+
+def architecture_difference(a: ModelArgs, b: ModelArgs) -> str:
+    """How two models differ in what makes their weights interchangeable -- every field but NOT_ARCHITECTURE -- as
+    "FIELD A vs B" for the first field that differs, or "" when none does."""
+    for f in dataclasses.fields(ModelArgs):
+        if f.name not in NOT_ARCHITECTURE and getattr(a, f.name) != getattr(b, f.name):
+            return f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}"
+    return ""
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -334,15 +349,25 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     if not cfg_path.is_file():
         raise UserError(f"{path}: no config.json in this folder (expected an HF model folder)")
     try:
-        return json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{cfg_path}: not valid JSON (not UTF-8 text: a binary file?)") from None
+    except OSError as e:
+        raise UserError(f"{cfg_path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object of the model's settings, found {type(cfg).__name__}")
+    return cfg
 
 
 def resolve_model(spec: str) -> tuple[ModelArgs, dict[str, Any], Path | None]:
     """A preset name or an HF folder -> (args, its config.json dict, the folder or None)."""
     if Path(spec).is_dir() or "/" in spec or spec.startswith("."):
         cfg = read_hf_config(spec)
-        return ModelArgs.from_hf_config(cfg), cfg, Path(spec)
+        try:
+            return ModelArgs.from_hf_config(cfg), cfg, Path(spec)
+        except (TypeError, ValueError, ArithmeticError) as e:  # "hidden_size": "big", num_key_value_heads 0
+            raise UserError(f"{Path(spec) / 'config.json'}: a setting of the wrong type or value ({e})") from None
     cfg = preset_config(spec)
     return ModelArgs.from_hf_config(cfg), cfg, None

@@ -388,26 +388,49 @@ class Block(nn.Module):
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
+def shift_tokens(x_BTD: torch.Tensor, k: int) -> torch.Tensor:
+    """Position i gets x at position i + k: the sequence shifted k to the left, zeros at the last k positions."""
+    return torch.cat([x_BTD[:, k:], torch.zeros_like(x_BTD[:, :k])], dim=1)
+
+
 class MTPModule(nn.Module):
-    """DeepSeek-V3 multi-token prediction module (V3 report, sec. 2.2): predicts token t+1+k from block k's hidden
-    state and the embedding of token t+k. Embedding and output head are shared with the main model."""
+    """DeepSeek-V3's multi-token-prediction module of depth k = `depth` (1, 2, ...; V3 report, sec. 2.2, eqs. 21-23):
+    at position i it combines the previous depth's hidden state h^{k-1}_i (k = 1: the main model's last block
+    output, before the final norm) with the embedding of token i + k,
+
+        h'^k_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])
+
+    (the report writes the two halves the other way round; the hub's eh_proj weights take the embedding first, as
+    vLLM and SGLang run them), runs its transformer block over the sequence, h^k = block(h'^k), and predicts
+    t_{i+k+1} through its own final norm (the hub's shared_head.norm) and the main model's output head. The
+    embedding table and the head are the main model's."""
 
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
+        self.depth = layer_id - args.n_layers + 1
         self.enorm = RMSNorm(args.dim, args.norm_eps)
         self.hnorm = RMSNorm(args.dim, args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = Block(layer_id, args)
         self.norm = RMSNorm(args.dim, args.norm_eps)  # the hub's shared_head.norm
 
-    def forward(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
-        return self.block(x, cos_TR, sin_TR)
+    def forward(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
+                mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h^k [B, T, D], for the next depth; norm(h^k), the head's input) from h^{k-1} and the main embedding's
+        output Emb(t_i) [B, T, D] (unshifted: the module takes position i + k's). The last k positions combine
+        with zeros; they have no target, and causal attention keeps them out of every earlier position."""
+        emb_BTD = shift_tokens(emb_BTD, self.depth)
+        x_BTD = self.eh_proj(torch.cat([self.enorm(emb_BTD), self.hnorm(h_BTD)], dim=-1))
+        h_BTD = self.block(x_BTD, cos_TR, sin_TR, mask=mask)
+        return h_BTD, self.norm(h_BTD)
 
 
 class Transformer(nn.Module):
     """Decoder-only LM. `forward(input_ids [B, T]) -> logits [B, T, V]`. Layers live in a ModuleDict keyed by their
-    global index so that a pipeline stage that deletes layers keeps the checkpoint names."""
+    global index so that a pipeline stage that deletes layers keeps the checkpoint names.
+
+    `mtp` holds V3's multi-token-prediction modules (args.n_mtp_layers); `mtp_depth` says how many of them forward
+    runs when asked for their losses (training with --mtp-layers sets it; 0 keeps them as weights only)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -417,6 +440,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(args.n_layers + k, args) for k in range(args.n_mtp_layers))
+        # Every pipeline stage is told the depth: a stage before the last then passes the embedding's output on, beside
+        # the hidden states, to the last stage, which holds the MTP modules but not the embedding.
+        self.mtp_depth = 0
         inv_freq, self.rope_attn_factor = rope_inv_freq(args)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
 
@@ -438,32 +464,77 @@ class Transformer(nn.Module):
         (a later pipeline stage under sequence parallelism receives T / tp of them); default its own length.
         `positions_BT`: each token's position in its document, for rows that pack several documents: RoPE restarts
         and attention stays inside each document (document_mask); None = one sequence per row."""
-        h_BTD = self.embed_tokens(input_ids_BT) if self.embed_tokens is not None else input_ids_BT
+        h_BTD = self._trunk(input_ids_BT, seq_len, positions_BT)[0]
+        return self.norm(h_BTD) if self.norm is not None else h_BTD
+
+    def _trunk(self, x_BT: torch.Tensor, seq_len: int | None, positions_BT: torch.Tensor | None) -> tuple:
+        """(the last block's output h [B, T, D], the embedding's output [B, T, D] when MTP runs (else None), cos,
+        sin, mask). A pipeline stage without the embedding takes the hidden states -- [h; embedding output]
+        concatenated on the last dim when MTP runs -- instead of ids."""
+        emb_BTD = None
+        if self.embed_tokens is not None:
+            h_BTD = self.embed_tokens(x_BT)
+            emb_BTD = h_BTD if self.mtp_depth else None
+        elif self.mtp_depth:
+            h_BTD, emb_BTD = x_BT.chunk(2, dim=-1)
+        else:
+            h_BTD = x_BT
         # RoPE over the whole sequence: under sequence parallelism h_BTD holds only this rank's T / tp positions.
-        cos_TR, sin_TR = self.rope_cos_sin(seq_len or input_ids_BT.shape[1], h_BTD.device, positions_BT)
+        cos_TR, sin_TR = self.rope_cos_sin(seq_len or x_BT.shape[1], h_BTD.device, positions_BT)
         cos_TR, sin_TR = cos_TR.to(h_BTD.dtype), sin_TR.to(h_BTD.dtype)
         mask = None if positions_BT is None else document_mask(positions_BT.to(h_BTD.device))
         for layer in self.layers.values():
             h_BTD = layer(h_BTD, cos_TR, sin_TR, mask=mask)
-        return self.norm(h_BTD) if self.norm is not None else h_BTD
+        return h_BTD, emb_BTD, cos_TR, sin_TR, mask
 
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def head(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of final-norm hidden states. Through the lm_head module (same math as F.linear) so that
+        a tensor-parallel plan's hooks on it apply."""
+        return self.lm_head(h_BTD) if self.lm_head is not None else F.linear(h_BTD, self.embed_tokens.weight)
+
     def forward(self, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor | None = None, loss_chunks: int = 0,
-                seq_len: int | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+                seq_len: int | None = None, positions_BT: torch.Tensor | None = None,
+                mtp_labels_BT: torch.Tensor | None = None):
         """Logits [B, T, V]; or, given labels and loss_chunks > 0, the summed token cross-entropy computed chunk by
         chunk without whole logits (models/loss.py). Inside forward, so that FSDP2 has the head gathered. `seq_len`,
-        `positions_BT`: see hidden_states."""
-        h_BTD = self.hidden_states(input_ids_BT, seq_len, positions_BT)
+        `positions_BT`: see hidden_states.
+
+        `mtp_labels_BT`: the next-token labels [B, T] once more, from which each MTP depth's targets are shifted
+        (models/loss.py: mtp_labels); given, and with `mtp_depth` > 0, the result is (the above, mtp_losses [D])
+        with each depth's summed token cross-entropy. A pipeline stage gets it as a keyword, as `positions_BT`."""
+        h_BTD, emb_BTD, cos_TR, sin_TR, mask = self._trunk(input_ids_BT, seq_len, positions_BT)
         if self.norm is None:  # a pipeline stage before the last: its output is the next stage's input
-            return h_BTD
+            return h_BTD if emb_BTD is None else torch.cat([h_BTD, emb_BTD], dim=-1)
         if labels_BT is not None and loss_chunks > 0:
             from paraseek.models.loss import chunked_head_loss
 
-            return chunked_head_loss(h_BTD, self.output_weight(), labels_BT, loss_chunks)
-        # Through the lm_head module (same math as F.linear) so that a tensor-parallel plan's hooks on it apply.
-        return self.lm_head(h_BTD) if self.lm_head is not None else F.linear(h_BTD, self.embed_tokens.weight)
+            out = chunked_head_loss(self.norm(h_BTD), self.output_weight(), labels_BT, loss_chunks)
+        else:
+            out = self.head(self.norm(h_BTD))
+        if mtp_labels_BT is None or not self.mtp_depth:
+            return out
+        return out, self.mtp_losses(h_BTD, emb_BTD, cos_TR, sin_TR, mask, mtp_labels_BT, positions_BT, loss_chunks)
+
+    def mtp_losses(self, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
+                   mask, labels_BT: torch.Tensor, positions_BT: torch.Tensor | None = None,
+                   loss_chunks: int = 0) -> torch.Tensor:
+        """[mtp_depth] fp32: the summed token cross-entropy of each depth k = 1 .. mtp_depth, from the main model's
+        last block output `h_BTD` (h^0) and embedding output `emb_BTD`, each depth on the previous one's h^{k-1}.
+        The V3 report's L^k_MTP (eq. 24) is this sum / T; the trainer divides every loss by the same token count."""
+        from paraseek.models.loss import chunked_head_loss, mtp_labels, token_cross_entropy
+
+        losses = []
+        for module in list(self.mtp)[:self.mtp_depth]:
+            h_BTD, hn_BTD = module(h_BTD, emb_BTD, cos_TR, sin_TR, mask=mask)
+            target_BT = mtp_labels(labels_BT, module.depth, positions_BT)
+            if loss_chunks > 0:
+                losses.append(chunked_head_loss(hn_BTD, self.output_weight(), target_BT, loss_chunks))
+            else:
+                losses.append(token_cross_entropy(self.head(hn_BTD), target_BT))
+        return torch.stack(losses)
 
     def init_rule(self, name: str, std: float = 0.02) -> tuple[str, float]:
         """How the parameter or persistent buffer `name` (its checkpoint name) starts: ("normal", std of the draw),
@@ -482,16 +553,18 @@ class Transformer(nn.Module):
         return "normal", std
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, device: torch.device | None = None, seed: int | None = None) -> None:
+    def init_weights(self, std: float = 0.02, device: torch.device | None = None, seed: int | None = None,
+                     select=None) -> None:
         """Initialize every parameter and buffer in place (after `to_empty` from the meta device) by `init_rule`,
         each tensor from its own generator seeded by (seed, its name): a pipeline stage, an FSDP2/TP/EP shard or one
         process all hold the same values of it (models/init.py). seed None: drawn from torch's global generator,
-        so that torch.manual_seed(s) before build_model is reproducible."""
+        so that torch.manual_seed(s) before build_model is reproducible. `select(name)`: only those tensors (MTP
+        modules created fresh beside loaded weights)."""
         from paraseek.models.init import init_weights
 
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        init_weights(self, lambda name: self.init_rule(name, std), seed, device)
+        init_weights(self, lambda name: self.init_rule(name, std), seed, device, select)
         self.init_buffers(device)
 
     @torch.no_grad()

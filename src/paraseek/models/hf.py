@@ -1,9 +1,11 @@
 """HF model folders in and out: config.json + single or sharded safetensors, tensor by tensor.
 
 Our parameter names are the hub's without the `model.` prefix, except that routed experts are stacked
-([E, out, in], one grouped GEMM) where the hub stores one Linear per expert, and that V3's MTP layer
-(`model.layers.{n_layers + k}`) lives in `mtp.{k}`. FP8 block-quantized weights (`weight_scale_inv`) are
-dequantized on load.
+([E, out, in], one grouped GEMM) where the hub stores one Linear per expert, and that V3's MTP layers
+(`model.layers.{n_layers + k}`: enorm, hnorm, eh_proj, shared_head.norm and the block's own names, plus copies of
+the embedding and the head) live in `mtp.{k}` -- for every family: a Llama or Qwen2 model trained with
+--mtp-layers is written in V3's layout too, with num_nextn_predict_layers in its config.json. FP8 block-quantized
+weights (`weight_scale_inv`) are dequantized on load.
 """
 
 from __future__ import annotations
@@ -122,10 +124,11 @@ class _Files:
 
 
 def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] | None = None,
-                    stage: bool = False) -> None:
+                    stage: bool = False, fresh_mtp: bool = False) -> set[str]:
     """Stream an HF folder's tensors into `model`'s (allocated) parameters, one tensor at a time. `stage`: the
     model is a pipeline stage holding part of the layers; the folder's other tensors are skipped. Tensors the
-    architecture does not define (adapters added from outside) are left as they are."""
+    architecture does not define (adapters added from outside) are left as they are. `fresh_mtp`: MTP modules the
+    folder has no weights for are left as they are too (the caller initializes them). Returns the names left."""
     folder = Path(folder)
     cfg = cfg if cfg is not None else read_hf_config(folder)
     files = _tensor_files(folder)
@@ -162,11 +165,14 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         copy_local(dst, src, expert)
         filled.add((name, expert))
     missing = sorted(expected - filled, key=str)
+    left = {name for name, _ in missing if fresh_mtp and name.startswith("mtp.")}
+    missing = [(name, e) for name, e in missing if name not in left]
     if missing:
         name, expert = missing[0]
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         what = name if expert is None else f"{name}[expert {expert}]"
         raise UserError(f"{folder}: the checkpoint lacks {what}{more}")
+    return left
 
 
 def load_pretrained(

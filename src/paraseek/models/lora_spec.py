@@ -15,7 +15,8 @@ Targets, by the checkpoint's module names:
   attention, mlp, all  shorthands: the attention projections, the three dense-MLP projections, every target the
                  model has (QLoRA, Dettmers et al. 2023, sec. 4: adapting every linear layer is what matches full
                  fine-tuning)
-V3's MTP modules are not trained (train/build.py), so they get no adapters.
+The MTP modules get no adapters: under LoRA they stay frozen, and their loss (--mtp-layers, train/mtp.py) trains the
+main layers' adapters through them.
 """
 
 from __future__ import annotations

@@ -52,3 +52,30 @@ class ChunkedHeadLoss(torch.autograd.Function):
 def chunked_head_loss(h_BTD: torch.Tensor, w_VD: torch.Tensor, labels_BT: torch.Tensor, n_chunks: int) -> torch.Tensor:
     """The summed token cross-entropy of the head `w_VD` on hidden states `h_BTD` (fp32 scalar)."""
     return ChunkedHeadLoss.apply(h_BTD.flatten(0, 1), w_VD, labels_BT.flatten(), n_chunks)
+
+
+def mtp_labels(labels_BT: torch.Tensor, depth: int, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """The targets of multi-token-prediction depth k = `depth` (DeepSeek-V3 report, sec. 2.2): position i predicts
+    t_{i+k+1}, which is the next-token label of position i + k -- `labels_BT` shifted k to the left. A position has
+    no target (IGNORE_INDEX) where i + k runs past the row, where the next-token label is ignored (padding, a
+    document's first token, an untrained chat role) and, for rows that pack several documents (`positions_BT`, each
+    token's position in its document), where a document starts between i and i + k: the target lies in another
+    document than the position predicting it."""
+    T = labels_BT.shape[1]
+    out_BT = torch.full_like(labels_BT, IGNORE_INDEX)
+    if depth >= T:
+        return out_BT
+    shifted = labels_BT[:, depth:]
+    if positions_BT is not None:  # i and i + k in one document: their positions differ by k
+        same_doc = positions_BT[:, depth:] == positions_BT[:, :T - depth] + depth
+        shifted = shifted.masked_fill(~same_doc, IGNORE_INDEX)
+    out_BT[:, :T - depth] = shifted
+    return out_BT
+
+
+def token_cross_entropy(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy in fp32 (ignored labels add nothing): train/optim.py's token_loss, here so
+    that the model's MTP head can use it. Vocab-sharded DTensor logits need tensor.loss_context, as there."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), reduction="sum")

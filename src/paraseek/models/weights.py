@@ -60,3 +60,18 @@ def _problem(path: Path) -> str:
     if 8 + n + end > size:
         return f"{size:,} of {8 + n + end:,} bytes"
     return ""
+
+
+def tensor_names(folder: str | Path) -> set[str]:
+    """The names of the tensors an HF folder's weights hold (its index's weight_map, or each file's header), read
+    without torch; after weight_files has checked the files."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            names |= set(json.loads(f.read(n))) - {"__metadata__"}
+    return names

@@ -67,7 +67,7 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write(json.dumps(m) + "\n")
         if self.tb:
-            for key in _TB_KEYS:
+            for key in [*_TB_KEYS, *(k for k in m if k.startswith("mtp_loss_"))]:
                 if m.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", m[key], step)
         if step % self.log_every == 0 or step == self.total_steps:
@@ -75,8 +75,12 @@ class MetricsLogger:
             elapsed = time.perf_counter() - self.t_first
             eta = elapsed / done * (self.total_steps - step)
             mfu = f" | MFU {m['mfu'] * 100:5.1f}%" if m.get("mfu") is not None else ""
+            # the multi-token-prediction depths' losses, mtp_loss_1, mtp_loss_2, ...: "mtp 2.3104/2.8731"
+            mtp = "/".join(f"{m[k]:.4f}" for k in sorted((k for k in m if k.startswith("mtp_loss_")),
+                                                           key=lambda k: int(k.rsplit("_", 1)[1])))
+            mtp = f" | mtp {mtp}" if mtp else ""
             print(
-                f"step {step:>5}/{self.total_steps} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} | "
+                f"step {step:>5}/{self.total_steps} | loss {m['loss']:.4f}{mtp} | grad_norm {m['grad_norm']:.3f} | "
                 f"lr {m['lr']:.2e} | {m['tokens_per_s_per_gpu']:,.0f} tok/s/{self.unit}{mfu} | mem {m['mem_peak_gib']:.2f} GiB | "
                 f"{m['step_time_s'] * 1e3:,.0f} ms | ETA {_fmt(eta)}",
                 flush=True,

@@ -102,8 +102,12 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def routed_layers(model: nn.Module) -> list[MoE]:
-    """The MoE layers the forward pass runs: a Transformer's main layers, not V3's MTP modules (kept, not trained)."""
-    return moe_layers(getattr(model, "layers", model))
+    """The MoE layers the forward pass runs: a Transformer's main layers, then those of the MTP modules it trains
+    (Transformer.mtp_depth); MTP modules kept as weights only never run."""
+    if not hasattr(model, "layers"):
+        return moe_layers(model)
+    trained = list(getattr(model, "mtp", None) or [])[:getattr(model, "mtp_depth", 0)]
+    return moe_layers(model.layers) + [m for module in trained for m in moe_layers(module)]
 
 
 def apply_expert_parallel(model: nn.Module, ep: DeviceMesh | ProcessGroup) -> None:

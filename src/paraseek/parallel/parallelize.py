@@ -126,23 +126,27 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
-    """full: keep only each block's input; selective: keep matmul/attention outputs, recompute the rest."""
+    """full: keep only each block's input; selective: keep matmul/attention outputs, recompute the rest. The MTP
+    modules' blocks too."""
     if mode == "none":
         return
-    for key, block in list(model.layers.items()):
+
+    def wrap(block: nn.Module) -> nn.Module:
         if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
-            wrapped = checkpoint_wrapper(
-                block, preserve_rng_state=False,
-                context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy),
-            )
-        model.layers[key] = wrapped
+            return checkpoint_wrapper(block, preserve_rng_state=False)
+        return checkpoint_wrapper(block, preserve_rng_state=False,
+                                  context_fn=lambda: create_selective_checkpoint_contexts(_selective_policy))
+
+    for key, block in list(model.layers.items()):
+        model.layers[key] = wrap(block)
+    for mtp in model.mtp:
+        mtp.block = wrap(mtp.block)
 
 
 def apply_compile(model: Transformer) -> None:
-    """torch.compile each block in place (module.compile keeps parameter names, so checkpoints don't change)."""
-    for block in model.layers.values():
+    """torch.compile each block in place (module.compile keeps parameter names, so checkpoints don't change), the
+    MTP modules' blocks too."""
+    for block in [*model.layers.values(), *(mtp.block for mtp in model.mtp)]:
         block.compile()
 
 

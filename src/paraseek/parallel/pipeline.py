@@ -5,8 +5,10 @@ schedules runs the micro-batches.
 The cut: `planner.memory.partition` -- the same function the planner prices plans with -- splits the layers into
 contiguous chunks that balance training FLOPs per token (dense and MoE layers, MLA and attention at this sequence
 length, the output head and its loss riding on the last chunk), not layer counts; a DeepSeek-V3 head costs about
-1.5 layers. The embedding computes nothing worth balancing and goes with the first chunk. V3's MTP modules are kept
-(the last stage holds them, so checkpoints keep them) but not trained, so they cost nothing here.
+1.5 layers. The embedding computes nothing worth balancing and goes with the first chunk. V3's MTP modules live on
+the last stage, beside the head they share; when they train (--mtp-layers), every stage before the last passes the
+embedding's output on beside the hidden states ([h; embedding] on the last dim: two tensors' worth between stages),
+since the last stage holds no embedding, and the gradient of the MTP loss flows back to the embedding the same way.
 
 Stage s of rank r: looped schedules give rank r the stages r, r + pp, r + 2pp, ... (`planner.memory.rank_chunks`);
 ZBVZeroBubble gives it r and 2pp - 1 - r (the V shape). Each stage is a `Transformer` that keeps only its layers (the
@@ -54,8 +56,9 @@ def rank_stages(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
     return sorted(rank_chunks(pp, v, schedule)[pp_rank])
 
 
-def describe(specs: list[StageSpec], pp: int, v: int, schedule: str) -> str:
-    """The per-stage estimates the split balanced, for the run's header."""
+def describe(specs: list[StageSpec], pp: int, v: int, schedule: str, mtp: int = 0) -> str:
+    """The per-stage estimates the split balanced, for the run's header (`mtp`: the MTP modules the last stage
+    trains, which the split does not price)."""
     mean = sum(s.cost for s in specs) / len(specs)
     owner = {s: r for r in range(pp) for s in rank_stages(r, pp, v, schedule)}
     lines = [f"pipeline: {len(specs)} stages on {pp} ranks ({schedule}), cut by the planner's cost per token "
@@ -63,7 +66,8 @@ def describe(specs: list[StageSpec], pp: int, v: int, schedule: str) -> str:
     for s in specs:
         span = f"layer {s.layers[0]}" if len(s.layers) == 1 else f"layers {s.layers[0]}-{s.layers[-1]}"
         parts = (["embedding"] if s.first else []) + [span] + \
-                (["norm + head + loss"] if s.last else [])
+                (["norm + head + loss"] if s.last else []) + \
+                ([f"{mtp} MTP module{'s' if mtp > 1 else ''}"] if s.last and mtp else [])
         lines.append(f"  stage {s.index} (pp rank {owner[s.index]}): {', '.join(parts)}: "
                      f"{s.cost / 1e9:.3g} GFLOP/token ({s.cost / mean:.2f}x mean)")
     return "\n".join(lines)
@@ -97,6 +101,7 @@ def whole_model_view(args: ModelArgs, stages: list[Transformer]) -> Transformer:
     view.norm = lasts[0].norm if lasts else None
     view.lm_head = lasts[0].lm_head if lasts else None
     view.mtp = lasts[0].mtp if lasts else nn.ModuleList()
+    view.mtp_depth = stages[0].mtp_depth
     return view
 
 
@@ -129,10 +134,12 @@ class Pipeline:
         self.step_kw = {"return_outputs": False} if "return_outputs" in params else {}
 
     def step(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor,
-             positions_BT: torch.Tensor | None = None) -> list[torch.Tensor]:
+             positions_BT: torch.Tensor | None = None, mtp: bool = False) -> list[torch.Tensor]:
         """`positions_BT` (packed documents) goes to every stage as a keyword argument: torch's schedules split
-        keyword inputs into micro-batches and hand them to each stage's forward, first or not."""
-        return self._run(self.schedule.step, inputs_BT, labels_BT, positions_BT, self.step_kw)
+        keyword inputs into micro-batches and hand them to each stage's forward, first or not. `mtp`: the labels go
+        the same way (Transformer.forward's mtp_labels_BT), so that the last stage returns (logits, MTP losses)."""
+        kw = {**self.step_kw, "mtp_labels_BT": labels_BT} if mtp else self.step_kw
+        return self._run(self.schedule.step, inputs_BT, labels_BT, positions_BT, kw)
 
     def eval(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor,
              positions_BT: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -19,6 +19,9 @@ Layouts (tp ranks of one dp rank all see the same batch; S = sequence-sharded Sh
     mlp (MoE)      shared experts as a dense MLP on all tokens; router + routed experts replicated and run on
                    this rank's T / tp tokens (SP) -- each rank routes its own tokens -- or on all tokens (no SP)
     lm_head        ColwiseParallel      h S|R -> logits Shard(-1), a DTensor for loss_parallel()
+    mtp.k          block as above; enorm, hnorm, eh_proj and norm SequenceParallel (token-wise, replicated weights);
+                   the embedding's output gathered (S -> R) for the shift by k (in backward the shifted gradient
+                   is gathered and each rank keeps its own positions' part)
 
 Gradients of replicated parameters. A replicated parameter that only sees this rank's tokens (SP norms, the router
 and routed experts) or only this rank's heads (MLA's shared down-projections, whose output feeds the local heads)
@@ -165,11 +168,13 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     whose own parameters get partial gradients over tp, for `reduce_tp_grads`.
 
     Tied embeddings are supported: the embedding's vocab-sharded weight serves as the column-parallel head.
-    The MTP modules (not run by `forward`) stay replicated. tp must divide the model's heads, widths and vocabulary,
-    and under SP the sequence length (planner.dims.ParallelDims.check says so before a run starts)."""
+    The MTP modules' blocks are sharded as the main blocks; their norms and eh_proj are token-wise and run on this
+    rank's positions under SP (replicated weights, as the norms), and each module gathers the embedding's output,
+    whose position i + k it combines with position i (MTPModule). tp must divide the model's heads, widths and
+    vocabulary, and under SP the sequence length (planner.dims.ParallelDims.check says so before a run starts)."""
     if tp_mesh.size() == 1:
         return []
-    if any(not isinstance(b, Block) for b in model.layers.values()):
+    if any(not isinstance(b, Block) for b in [*model.layers.values(), *(m.block for m in model.mtp)]):
         raise ValueError("apply_tensor_parallel must run before activation checkpointing / compile wrap the blocks")
     seq = Shard(1) if sequence_parallel else Replicate()
     partial: list[nn.Module] = []
@@ -177,27 +182,50 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         parallelize_module(model.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=seq))
         model.embed_tokens.register_forward_hook(_sync_redistribute(seq), prepend=True)
     for block in model.layers.values():
+        partial += _parallelize_block(block, tp_mesh, sequence_parallel)
+    head_inputs = [model.norm] if model.norm is not None else []
+    for mtp in model.mtp:
+        partial += _parallelize_block(mtp.block, tp_mesh, sequence_parallel)
+        head_inputs.append(mtp.norm)
         if sequence_parallel:
-            parallelize_module(block.input_layernorm, tp_mesh, SequenceParallel())
-            parallelize_module(block.post_attention_layernorm, tp_mesh, SequenceParallel())
-        if isinstance(block.self_attn, MLA):
-            partial += _parallelize_mla(block.self_attn, tp_mesh, seq)
-        else:
-            _parallelize_attention(block.self_attn, tp_mesh, seq)
-        if isinstance(block.mlp, MoE):
-            partial += _parallelize_moe(block.mlp, tp_mesh, sequence_parallel)
-        else:
-            _parallelize_mlp(block.mlp, tp_mesh, seq, seq)
-    if model.norm is not None and sequence_parallel:
-        parallelize_module(model.norm, tp_mesh, SequenceParallel())
+            # The embedding's output whole (all-gathered), for the shift by k; enorm then takes this rank's positions.
+            parallelize_module(mtp, tp_mesh, PrepareModuleInput(
+                input_layouts=(None, Shard(1), None, None), desired_input_layouts=(None, Replicate(), None, None),
+                use_local_output=False))
+            for norm in (mtp.enorm, mtp.hnorm):
+                parallelize_module(norm, tp_mesh, SequenceParallel())
+            # Token-wise too: replicated weight on this rank's positions, a plain tensor out for the block.
+            parallelize_module(mtp.eh_proj, tp_mesh, SequenceParallel(use_local_output=True))
+    for norm in head_inputs:
+        if sequence_parallel:
+            parallelize_module(norm, tp_mesh, SequenceParallel())
+        if model.lm_head is None:
+            # Tied: forward computes F.linear(h, embed_tokens.weight), a Shard(0) DTensor over the vocab; a
+            # replicated DTensor h makes that a column-parallel matmul whose logits come out Shard(-1) with no
+            # communication.
+            parallelize_module(norm, tp_mesh, PrepareModuleOutput(
+                output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False))
     if model.lm_head is not None:
         parallelize_module(model.lm_head, tp_mesh,
                            ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False))
-    elif model.norm is not None:
-        # Tied: forward computes F.linear(h, embed_tokens.weight), a Shard(0) DTensor over the vocab; a replicated
-        # DTensor h makes that a column-parallel matmul whose logits come out Shard(-1) with no communication.
-        parallelize_module(model.norm, tp_mesh,
-                           PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False))
+    return partial
+
+
+def _parallelize_block(block: Block, tp_mesh: DeviceMesh, sequence_parallel: bool) -> list[nn.Module]:
+    """One block's TP plan; returns its modules whose gradients are partial over tp."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    partial: list[nn.Module] = []
+    if sequence_parallel:
+        parallelize_module(block.input_layernorm, tp_mesh, SequenceParallel())
+        parallelize_module(block.post_attention_layernorm, tp_mesh, SequenceParallel())
+    if isinstance(block.self_attn, MLA):
+        partial += _parallelize_mla(block.self_attn, tp_mesh, seq)
+    else:
+        _parallelize_attention(block.self_attn, tp_mesh, seq)
+    if isinstance(block.mlp, MoE):
+        partial += _parallelize_moe(block.mlp, tp_mesh, sequence_parallel)
+    else:
+        _parallelize_mlp(block.mlp, tp_mesh, seq, seq)
     return partial
 
 

@@ -5,6 +5,7 @@ position in place."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from paraseek.models.lora_spec import LoRASpec
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
+from paraseek.train import mtp as mtp_flags
 from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader
@@ -38,6 +40,8 @@ class Model:
     seq_shards: int  # hidden states between stages hold T / seq_shards positions
     lora: LoRASpec | None = None  # the adapters trained on the frozen model (--lora-rank)
     fp8_precompute: bool = False  # --fp8 tensorwise under FSDP2: float8 scales precomputed after each step
+    mtp_depth: int = 0  # the MTP depths trained (--mtp-layers); args.n_mtp_layers the modules held
+    mtp_held: int = 0  # the MTP modules the model came with (the others, up to mtp_depth, created fresh)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -47,6 +51,9 @@ class Model:
 def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
     torch.manual_seed(cfg.seed)  # torch's global generator, for whatever draws from it (nothing in the model does)
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
+    held = mtp_flags.held_modules(args, cfg.init_from or None)
+    depth = mtp_flags.depth_of(cfg.mtp_layers, held)
+    args = mtp_flags.run_args(args, held, depth)
     lora = cfg.lora_for(args)
     dims = mesh.dims
     specs, stage_ids = None, [0]
@@ -59,9 +66,11 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
             parts = [Transformer(args)]
     tp_partial, seq_shards = [], 1
     for sid, part in zip(stage_ids, parts):
-        # V3's MTP modules are kept (checkpoints, export) but not trained yet: frozen, so the optimizer holds no
-        # state for them and a checkpoint resumes under any plan.
-        part.mtp.requires_grad_(False)
+        # The MTP modules the run does not train are kept (checkpoints, export) frozen, so the optimizer holds no
+        # state for them; the trained ones run in every forward (Transformer.mtp_depth, on every pipeline stage).
+        part.mtp_depth = depth
+        for module in list(part.mtp)[depth:]:
+            module.requires_grad_(False)
         done = parallelize(part, mesh, precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
                            compile=cfg.compile, reshard_after_forward=cfg.reshard_after_forward,
                            cpu_offload=cfg.cpu_offload, lora=lora, fp8=cfg.fp8,
@@ -70,15 +79,18 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
         seq_shards = done.seq_shards
         part.to_empty(device="cpu" if cfg.cpu_offload else device)
         if cfg.init_from:
-            load_state_into(part, cfg.init_from, stage=dims.pp > 1)
+            fresh = load_state_into(part, cfg.init_from, stage=dims.pp > 1, fresh_mtp=True)
             part.init_buffers(device)
+            if fresh:  # MTP modules the folder has no weights for: from the same (seed, name) draws as any other
+                part.init_weights(device=device, seed=cfg.seed, select=fresh.__contains__)
         else:  # every tensor from its own (seed, name) generator: each layout starts from one process's weights
             part.init_weights(device=device, seed=cfg.seed)
         if lora is not None:  # the loader leaves the adapters alone
             init_adapters(part, cfg.seed, device)
     inner = parts[0] if dims.pp == 1 else whole_model_view(args, parts)
     model = apply_ddp(inner, mesh, device, cfg.grad_compression) if dims.ddp else inner
-    return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards, lora, done.fp8_precompute)
+    return Model(args, parts, stage_ids, specs, inner, model, tp_partial, seq_shards, lora, done.fp8_precompute,
+                 depth, held)
 
 
 def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimizer, loader: DataLoader, scaler,
@@ -93,6 +105,8 @@ def resume(cfg: TrainConfig, inner: Transformer, optimizer: torch.optim.Optimize
             if is_main:
                 print(f"no checkpoint in {cfg.checkpoint_dir} yet: starting from step 0", flush=True)
         else:
+            saved = json.loads((path / "trainer_state.json").read_text()).get("mtp_depth", 0)
+            mtp_flags.check_resume(saved, inner.mtp_depth, path)
             # A LoRA checkpoint holds the adapters only; the frozen base came from --init-from (build).
             state = dict(load_checkpoint(path, inner, optimizer, scaler, model_keys=is_adapter if cfg.lora_rank else None),
                          path=str(path))

@@ -90,6 +90,11 @@ class TrainConfig:
     lora_targets: str = ""  # comma-separated targets or shorthands (attention, mlp, shared_experts, experts); "" = all
     fp8: str = "off"  # off | tensorwise | rowwise | rowwise-gw-hp: float8 projections (parallel/fp8.py)
     fp8_experts: str = "off"  # off | on: the routed experts' grouped GEMMs in float8 too (parallel/fp8.py)
+    # Multi-token prediction (train/mtp.py): DeepSeek-V3's MTP modules trained beside the next-token loss.
+    mtp_layers: int = -1  # MTP depths D trained; -1 = the MTP modules the model holds (V3: 1, the others: 0)
+    mtp_loss_weight: float = -1.0  # lambda of L_main + lambda / D * sum_k L_MTP^k; -1 = 0.1
+    mtp_loss_weight_final: float = -1.0  # lambda after --mtp-loss-weight-switch-step (V3: 0.3, then 0.1); -1 = none
+    mtp_loss_weight_switch_step: int = 0  # the last step with --mtp-loss-weight; 0 = no switch
 
     @property
     def world_size(self) -> int:
@@ -163,12 +168,30 @@ _CHOICES = {
 _AT_LEAST = {"nnodes": 1, "steps": 1, "seq_len": 1, "global_batch_size": 1, "micro_batch_size": 1, "log_every": 1,
              "rdzv_timeout": 1}
 _AT_MOST = {"min_lr_ratio": 1}
-_AUTO = {"dp_shard": -1, "moe_bias_gamma": -1, "moe_aux_loss_alpha": -1}  # the value that means "the default"
+_AUTO = {"dp_shard": -1, "moe_bias_gamma": -1, "moe_aux_loss_alpha": -1,  # the value that means "the default"
+         "mtp_layers": -1, "mtp_loss_weight": -1, "mtp_loss_weight_final": -1}
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")  # ranges: ParallelDims' rule set (planner/dims.py)
-# Names other trainers use, for "did you mean" (difflib finds the misspellings).
-_ALIASES = {"learning_rate": "lr", "max_steps": "steps", "batch_size": "global_batch_size", "ckpt_dir":
-            "checkpoint_dir", "save_dir": "checkpoint_dir", "max_seq_len": "seq_len", "seq_length": "seq_len",
-            "warmup": "warmup_steps", "dtype": "precision", "gradient_checkpointing": "activation_checkpointing"}
+# "Did you mean" for an unknown name (a TOML key or a flag of any command): first the names other tools use (each
+# key's candidates in order, the first one the command has), then the same words in other spellings (`_WORDS`, with
+# the filler words dropped: max_sequence_length -> seq_len), then the closest spelling (difflib).
+_ALIASES = {"learning_rate": ("lr",),
+            "batch_size": ("global_batch_size",), "train_batch_size": ("global_batch_size",),
+            "per_device_train_batch_size": ("micro_batch_size",), "micro_batch": ("micro_batch_size",),
+            "ckpt_dir": ("checkpoint_dir",), "save_dir": ("checkpoint_dir",), "output_dir": ("checkpoint_dir",),
+            "save_every": ("checkpoint_every",), "save_steps": ("checkpoint_every",),
+            "save_interval": ("checkpoint_every",), "max_seq_len": ("seq_len", "max_model_len"),
+            "max_seq_length": ("seq_len", "max_model_len"), "context_length": ("seq_len", "max_model_len"),
+            "warmup": ("warmup_steps",), "lr_warmup": ("warmup_steps",), "lr_warmup_steps": ("warmup_steps",),
+            "dtype": ("precision",), "mixed_precision": ("precision",),
+            "gradient_checkpointing": ("activation_checkpointing",), "max_grad_norm": ("grad_clip",),
+            "clip_grad": ("grad_clip",), "gradient_clipping": ("grad_clip",), "num_gpus": ("nproc",),
+            "gpus": ("nproc",), "nproc_per_node": ("nproc",), "num_nodes": ("nnodes",),
+            "tensor_parallel": ("tp",), "tensor_parallel_size": ("tp",), "pipeline_parallel": ("pp",),
+            "pipeline_parallel_size": ("pp",), "expert_parallel": ("ep",), "resume_from_checkpoint": ("resume",),
+            "logging_steps": ("log_every",), "max_tokens": ("max_new_tokens",)}
+_WORDS = {"sequence": "seq", "length": "len", "iters": "steps", "iterations": "steps", "ckpt": "checkpoint",
+          "interval": "every", "freq": "every", "path": "dir"}
+_FILLER = {"max", "num", "total", "n", "train"}
 _KINDS = {"int": (int, "an integer"), "float": (float, "a number"), "bool": (bool, "true or false"),
           "str": (str, "a string")}
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -225,6 +248,17 @@ _HELP = {
            "+1.7%%); the head, router, embedding, routed experts (unless --fp8-experts on) and projections too "
            "small for float8 to pay (torchao's thresholds: on V2-Lite nearly all under rowwise) stay in --precision. "
            "Needs an Ada/Hopper GPU",
+    "mtp_layers": "multi-token-prediction depths D to train (DeepSeek-V3 report, sec. 2.2): module k predicts the "
+                  "token k + 1 positions ahead from depth k - 1's hidden state and the embedding of the token k "
+                  "ahead, through the shared head (-1: the MTP modules the model holds: V3's "
+                  "num_nextn_predict_layers, 0 for the other families; modules the model lacks are created fresh; "
+                  "0: none trained, V3's kept as weights)",
+    "mtp_loss_weight": "lambda: the loss is L_main + lambda / D * sum of the D depths' losses (-1: 0.1, the weight "
+                       "V3 ended its pre-training with)",
+    "mtp_loss_weight_final": "the MTP loss weight after --mtp-loss-weight-switch-step (V3's recipe: "
+                             "--mtp-loss-weight 0.3 --mtp-loss-weight-final 0.1 after its first 10T tokens)",
+    "mtp_loss_weight_switch_step": "the last step trained with --mtp-loss-weight; later steps use "
+                                   "--mtp-loss-weight-final",
     "fp8_experts": "on: with --fp8, the routed experts' grouped GEMMs in float8 too (forward and input gradient, "
                    "per-row scales; Hopper only). Pays on big micro-batches: DeepSeek-V2-Lite (6 layers, one H200) "
                    "with --fp8 tensorwise ran 0.95x bf16 at 8k tokens per micro-batch, 1.01x at 16k, 1.07x at 32k "
@@ -260,10 +294,15 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _words(name: str) -> tuple[str, ...]:
+    return tuple(_WORDS.get(w, w) for w in name.lower().split("_") if w not in _FILLER)
+
+
 def did_you_mean(word: str, names, prefix: str = "") -> str:
-    """' (did you mean X?)' for the closest of `names` (or a name other trainers use for it), else ''."""
-    key = word.lstrip("-").replace("-", "_")
-    close = [_ALIASES[key]] if _ALIASES.get(key) in names else difflib.get_close_matches(key, list(names), n=1)
+    """' (did you mean X?)' for the name of `names` that `word` most likely means (`_ALIASES` says how), else ''."""
+    key, names = word.lstrip("-").replace("-", "_").lower(), list(names)
+    close = ([n for n in _ALIASES.get(key, ()) if n in names] or [n for n in names if _words(key) == _words(n) != ()]
+             or difflib.get_close_matches(key, names, n=1))
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
@@ -308,9 +347,13 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
         if not path.is_file():
             raise UserError(f"--config {path}: {'a folder; give the TOML file' if path.is_dir() else 'no such file'}")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise UserError(f"--config {path}: not valid TOML ({e})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"--config {path}: not valid TOML (not UTF-8 text: a binary file?)") from None
+        except OSError as e:
+            raise UserError(f"--config {path}: cannot be read ({e.strerror or type(e).__name__})") from None
         for key, value in raw.items():
             name = key.replace("-", "_")
             if name not in _FIELDS and isinstance(value, dict):  # [train] steps = 3
@@ -341,11 +384,13 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
 
 def _check_same_model(model: str, init_from: str) -> None:
     """--init-from names the model by its config.json; a --model beside it must be the same architecture, or which
-    one trains would be a silent choice."""
-    from paraseek.models.args import resolve_model
+    one trains would be a silent choice. (An export of a run of --model is: its special-token ids are those of the
+    tokenizer it trained with, which the weights do not depend on.)"""
+    from paraseek.models.args import architecture_difference, resolve_model
 
-    if (Path(init_from) / "config.json").is_file() and resolve_model(model)[0] != resolve_model(init_from)[0]:
-        raise UserError(f"--model {model} and --init-from {init_from} are different models; --init-from's "
+    if (Path(init_from) / "config.json").is_file() and (
+            why := architecture_difference(resolve_model(model)[0], resolve_model(init_from)[0])):
+        raise UserError(f"--model {model} and --init-from {init_from} are different models ({why}); --init-from's "
                         "config.json is the model, so leave out --model")
 
 
@@ -391,6 +436,7 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
     """Every check that can fail on user input, before a process is launched or a file written. `nodes=False`
     leaves out the node flags (--node-rank, --rdzv-endpoint), which --slurm's script sets on each node."""
     check_fields(cfg)
+    _check_flags_act(cfg)
     if cfg.device == "cuda" and not cuda_available:
         raise UserError("--device cuda: no CUDA device is visible (use --device cpu, or check the driver)")
     if cfg.device == "cuda" and cfg.nproc > gpu_count:
@@ -463,14 +509,15 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
     if cfg.hardware and not Path(cfg.hardware).is_file():
         raise UserError(f"--hardware {cfg.hardware}: no such file (write one with paraseek doctor --save FILE)")
     from paraseek.monitor.faults import check_faults, parse_faults
-    from paraseek.monitor.profile import parse_profile_steps
 
     check_faults(parse_faults(cfg.inject_fault), cfg.world_size, cfg.steps)
-    if cfg.profile_steps:
-        parse_profile_steps(cfg.profile_steps)
+    check_profile_window(cfg, 0)  # and again with the step a --resume continues from (launch.check_steps)
     _check_data_and_tokenizer(cfg, args.vocab_size)
     _check_outputs(cfg)
     check_lora(cfg, args)
+    from paraseek.train.mtp import check_mtp
+
+    check_mtp(cfg, args, model)
     _validate_data_flags(cfg)
     if cfg.fp8 != "off" or cfg.fp8_experts == "on":
         from paraseek.parallel.fp8 import fp8_problem
@@ -487,6 +534,35 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
                 None if args.n_routed_experts else f"--fp8-experts on: {model} has no routed experts; leave it out")
         if problem:
             raise UserError(problem)
+
+
+def _check_flags_act(cfg: TrainConfig) -> None:
+    """The flags of one kind of parallelism act only with it: given without it they would silently change nothing."""
+    if not cfg.sequence_parallel and cfg.tp == 1:
+        raise UserError("--sequence-parallel false acts only with --tp N (sequence parallelism shards a tensor-"
+                        "parallel group's norms and residuals); without --tp there is none to turn off: leave it out")
+    if cfg.pp == 1 and (cfg.pp_schedule != TrainConfig.pp_schedule or cfg.pp_virtual_stages > 1):
+        flag = (f"--pp-schedule {cfg.pp_schedule}" if cfg.pp_schedule != TrainConfig.pp_schedule
+                else f"--pp-virtual-stages {cfg.pp_virtual_stages}")
+        raise UserError(f"{flag} acts only with --pp N (pipeline stages); add --pp, or leave it out")
+
+
+def check_profile_window(cfg: TrainConfig, start: int) -> None:
+    """--profile-steps A:B inside the steps this run trains, start + 1 .. --steps (`start`: the step a --resume
+    continues from): a window outside them would never be profiled, and nothing would say so."""
+    if not cfg.profile_steps:
+        return
+    from paraseek.monitor.profile import parse_profile_steps
+
+    def steps(a: int, b: int) -> str:
+        return f"step {a}" if a == b else f"steps {a}-{b}"
+
+    first, last = parse_profile_steps(cfg.profile_steps)
+    if first <= start or last > cfg.steps:
+        trained = f" ({steps(1, start)} before this --resume)" if start else ""
+        raise UserError(f"--profile-steps {cfg.profile_steps}: this run trains {steps(start + 1, cfg.steps)}"
+                        f"{trained}, so that window would never be profiled; give A:B with {start + 1} <= A <= B <= "
+                        f"{cfg.steps}")
 
 
 def _check_nodes(cfg: TrainConfig) -> None:
@@ -543,12 +619,11 @@ def _check_data_and_tokenizer(cfg: TrainConfig, vocab_size: int) -> None:
 
 
 def _check_outputs(cfg: TrainConfig) -> None:
-    """Every path the run writes, refused now if it cannot be written there, so a mistake costs no run. Nothing is
-    created here: a refused run leaves nothing behind."""
+    """Every path the run writes, refused now if it cannot be written there (errors.check_writable tries it), so a
+    mistake costs no run. Nothing is left here: a refused run leaves nothing behind."""
     if cfg.metrics_jsonl:  # first: the default --run-dir is its folder
         check_writable("--metrics-jsonl", cfg.metrics_jsonl, folder=False)
-    folders = {"--checkpoint-dir": cfg.checkpoint_dir, "--export-hf": cfg.export_hf,
-               "--tensorboard": cfg.tensorboard, "--run-dir": cfg.run_dir}
+    folders = {"--checkpoint-dir": cfg.checkpoint_dir, "--tensorboard": cfg.tensorboard, "--run-dir": cfg.run_dir}
     if cfg.data != "synthetic":
         from paraseek.train.data import cache_dir
 
@@ -556,7 +631,7 @@ def _check_outputs(cfg: TrainConfig) -> None:
     for what, path in folders.items():
         if path:
             check_writable(what, path, folder=True)
-    if cfg.export_hf:  # written at the end of the run: its files, or an --init-from folder's, would be replaced
+    if cfg.export_hf:  # written at the end of the run, replacing its files (or an --init-from folder's) if it held any
         from paraseek.train.export import check_out_folder
 
         check_out_folder(cfg.export_hf, label="--export-hf ", fix="give a new or empty folder (the export would "

@@ -9,7 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, check_writable
 
 # Files of a tokenizer folder that travel with it (transformers reads them; chat_template.jinja is how transformers 5
 # writes the template).
@@ -19,12 +19,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def check_out_folder(out: str | Path, *, overwrite: bool = False, label: str = "",
                      fix: str = "choose another folder or add --overwrite") -> None:
     """The one rule of a folder an HF model is written to (`paraseek export`'s OUT_DIR, train's --export-hf): a new
-    or empty folder, or with `overwrite` one whose files may be replaced; never a file."""
+    or empty folder, or with `overwrite` one whose files may be replaced; never a file; and one this user can write."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{label}{out} is a file; give a folder to write the model into")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{label}{out} exists and is not empty; {fix}")
+    check_writable(label.strip() or "OUT_DIR", str(out), folder=True)
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
@@ -51,7 +52,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     if out.resolve() in (folder.resolve(), step_dir.resolve(), step_dir.resolve().parent):
         raise UserError(f"{out} is the checkpoint folder itself; write the HF folder somewhere else")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-    src = _from_checkpoint(str(folder), step_dir, None)
+    src = _with_run_mtp_modules(_from_checkpoint(str(folder), step_dir, None), step_dir)
     _check_lora_choice(src, step_dir, merge_lora, export_adapter)
     tok = model_tokenizer(src.tokenizer, src.args, src.chat_template) if src.tokenizer is not None else None
     if export_adapter:
@@ -74,6 +75,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     else:
         log("export: the run trained on synthetic tokens and has no tokenizer; the folder holds the model only")
     return out
+
+
+def _with_run_mtp_modules(src, step_dir: Path):
+    """The checkpoint's model with the MTP modules its run held (train/mtp.py: --mtp-layers may have created some
+    beside, or without, those of the model it names), which its trainer state records."""
+    import dataclasses
+
+    n = json.loads((step_dir / "trainer_state.json").read_text()).get("mtp_modules")
+    if n is None or n == src.args.n_mtp_layers:
+        return src
+    return dataclasses.replace(src, args=src.args.replace(n_mtp_layers=n))
 
 
 def _check_lora_choice(src, step_dir: Path, merge_lora: bool, export_adapter: bool) -> None:

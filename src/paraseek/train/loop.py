@@ -49,6 +49,7 @@ from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import DTYPES
 from paraseek.parallel.pipeline import Pipeline, describe
 from paraseek.parallel.tensor import full_value, loss_context, reduce_tp_grads
+from paraseek.train import mtp as mtp_flags
 from paraseek.train.build import Model, build, resume
 from paraseek.train.checkpoint import full_model_state, save_checkpoint
 from paraseek.train.config import TrainConfig, tokenizer_origin
@@ -232,6 +233,7 @@ class Run:
             self.scaler.unscale_(optimizer)
         grad_norm = clip_grad_norm(self.m.params, cfg.grad_clip, mesh.pp_group, self.fused).item()
         loss = mesh.mean_loss(loss_sum)  # before the update: --on-anomaly skip must know the loss first
+        mtp_metrics = self.forward_backward.mtp_metrics(mesh)
         action = self._health(step, loss, grad_norm)
         if action != "skip":
             if self.scaler:
@@ -247,7 +249,7 @@ class Run:
             if self.is_main:
                 self.logger.event("model_state", step, detail="bytes per rank", **layout)
         optimizer.zero_grad(set_to_none=True)
-        self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, moe_metrics)
+        self._report(step, time.perf_counter() - t0, ready_s, loss, grad_norm, lr, {**mtp_metrics, **moe_metrics})
         if step == self.start_step + 1:
             # The garbage that building and compiling left is collected once, between steps, and what survives
             # (FX graphs, guards, inductor's caches) is frozen out of later collections. Measured on one H200 from a
@@ -269,7 +271,8 @@ class Run:
                     config[key] = str(Path(config[key]).resolve())
             self.checkpoint = save_checkpoint(
                 cfg.checkpoint_dir, step, self.m.inner, optimizer,
-                {"data": self.loader.state_dict(), "config": config, "lr_schedule": schedule_of(self.schedule)},
+                {"data": self.loader.state_dict(), "config": config, "lr_schedule": schedule_of(self.schedule),
+                 "mtp_depth": self.m.mtp_depth, "mtp_modules": self.m.args.n_mtp_layers},
                 model_keys=is_adapter if self.m.lora else None, keep_last=cfg.keep_last, scaler=self.scaler)
             if self.is_main:
                 print(f"checkpoint: {self.checkpoint}", flush=True)
@@ -398,7 +401,9 @@ class Run:
               f"{f' | tp={dims.tp}' + (' +SP' if dims.sequence_parallel else '') if dims.tp > 1 else ''}"
               f"{pp_text}{' | compile' if cfg.compile else ''}", flush=True)
         if dims.pp > 1:
-            print(describe(m.specs, dims.pp, dims.pp_virtual_stages, dims.pp_schedule), flush=True)
+            print(describe(m.specs, dims.pp, dims.pp_virtual_stages, dims.pp_schedule, m.mtp_depth), flush=True)
+        if m.mtp_depth:
+            print(mtp_flags.describe(cfg, m.mtp_depth, m.mtp_held), flush=True)
         if m.lora:
             from paraseek.models.lora_spec import adapter_params
 
@@ -437,7 +442,10 @@ class ForwardBackward:
     (micro_batches, step) -> this rank's sum of their losses, each normalized by the trained tokens per dp rank (the
     module docstring says why). Pipelined, torch's schedule runs them; otherwise one after the other, the gradients
     accumulating (under DDP synchronized in the last one only). `evaluate(micro_batches)`: forward only, (this
-    rank's summed token loss, its trained tokens)."""
+    rank's summed token loss, its trained tokens).
+
+    With MTP (train/mtp.py) each micro-batch minimizes (L_main + lambda / D * sum_k L_MTP^k) / norm; the sum returned
+    is L_main's alone (the logged "loss", comparable with a run without MTP), each depth's own in `mtp_metrics`."""
 
     def __init__(self, cfg: TrainConfig, m: Model, mesh: ParallelMesh, device: torch.device, faults: FaultInjector,
                  experts: ExpertBalance | None, scaler, every_label_counts: bool = True):
@@ -447,6 +455,9 @@ class ForwardBackward:
         self.tp = mesh.tp is not None
         self.pipe = None
         self.current = {"step": 0, "norm": 1.0, "eval": False}  # what the schedule's loss function needs
+        self.depth = m.mtp_depth  # MTP depths trained (0: none)
+        self.mtp_sums = torch.zeros(self.depth, device=device)  # this step's L_MTP^k, normalized, on this rank
+        self.mtp_seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (L_main, L_MTP) of each schedule loss call
         if mesh.pp is not None:
             self.pipe = Pipeline(m.parts, m.stage_ids, len(m.specs), cfg.pp_schedule, cfg.grad_accum_steps,
                                  self._pipeline_loss, device, mesh.pp_group, m.seq_shards)
@@ -457,10 +468,30 @@ class ForwardBackward:
         self.autocast = (lambda: torch.autocast(device.type, dtype=DTYPES[cfg.precision])) \
             if ddp and cfg.precision != "fp32" else nullcontext
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.current["eval"]:
-            return token_loss(logits, labels)
-        return self.faults.loss_hook(self.current["step"], token_loss(logits, labels) / self.current["norm"])
+    def _pipeline_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        if self.current["eval"]:  # evaluation runs no MTP: the last stage returns logits
+            return token_loss(output, labels)
+        logits, mtp_D = output if self.depth else (output, None)
+        loss = self.faults.loss_hook(self.current["step"], token_loss(logits, labels) / self.current["norm"])
+        if mtp_D is None:
+            return loss
+        # torch's schedules also call this once to infer the backward's shapes (first step): `_pipelined` keeps
+        # the last grad_accum_steps entries, the micro-batches'.
+        self.mtp_seen.append((loss.detach(), mtp_D.detach() / self.current["norm"]))
+        return loss + self._mtp_weight(self.current["step"]) * mtp_D.sum() / self.current["norm"]
+
+    def _mtp_weight(self, step: int) -> float:
+        return mtp_flags.loss_weight(self.cfg, step) / self.depth
+
+    def mtp_metrics(self, mesh: ParallelMesh) -> dict:
+        """{"mtp_loss_1": L_MTP^1, ...} of the step just run, the same on every rank (one all-reduce; summed as
+        mesh.mean_loss sums the loss); {} without MTP."""
+        if not self.depth:
+            return {}
+        totals = self.mtp_sums.clone()
+        dist.all_reduce(totals)
+        values = (totals / (mesh.dims.dp * mesh.dims.tp)).tolist()
+        return {f"mtp_loss_{k}": v for k, v in enumerate(values, start=1)}
 
     def tokens_per_rank(self, micro_batches: list) -> float:
         """The step's loss normalizer: trained labels of the global batch / dp (at least one: a step without any
@@ -473,6 +504,7 @@ class ForwardBackward:
 
     def __call__(self, micro_batches: list, step: int) -> torch.Tensor:
         norm = self.tokens_per_rank(micro_batches)
+        self.mtp_sums.zero_()
         return self._pipelined(micro_batches, step, norm) if self.pipe else self._one_by_one(micro_batches, step, norm)
 
     def _batch(self, mb: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -484,8 +516,13 @@ class ForwardBackward:
         inputs_BT, labels_BT, positions_BT = self._batch(tuple(torch.cat(x) for x in zip(*micro_batches)))
         loss_sum = torch.zeros((), device=self.device)
         with loss_context(self.tp):
-            for loss in self.pipe.step(inputs_BT, labels_BT, positions_BT):
+            for loss in self.pipe.step(inputs_BT, labels_BT, positions_BT, mtp=self.depth > 0):
                 loss_sum += full_value(loss).detach()
+        if self.depth:  # the losses above hold the MTP terms: L_main and each L_MTP^k apart instead
+            seen = self.mtp_seen[-self.cfg.grad_accum_steps:] if self.pipe.has_last else []
+            loss_sum = sum((full_value(main) for main, _ in seen), torch.zeros((), device=self.device))
+            self.mtp_sums += sum((full_value(mtp) for _, mtp in seen), torch.zeros(self.depth, device=self.device))
+            self.mtp_seen.clear()
         if self.experts is not None:
             self.experts.after_schedule()
         return loss_sum
@@ -498,16 +535,24 @@ class ForwardBackward:
             last = i == len(micro_batches) - 1
             # Under TP the logits stay vocab-sharded: loss_parallel computes the cross-entropy without gathering them.
             with (model.no_sync() if ddp and not last else nullcontext()), self.autocast(), loss_context(self.tp):
-                if cfg.loss_chunks:
+                mtp_D = None
+                if self.depth:
+                    out, mtp_D = model(inputs, labels, cfg.loss_chunks, positions_BT=positions, mtp_labels_BT=labels)
+                    token_losses = out if cfg.loss_chunks else self.loss_fn(out, labels)
+                elif cfg.loss_chunks:
                     token_losses = model(inputs, labels, cfg.loss_chunks, positions_BT=positions)
                 else:
                     token_losses = self.loss_fn(model(inputs, positions_BT=positions), labels)
                 loss = self.faults.loss_hook(step, token_losses / norm)
-                (scaler.scale(loss) if scaler else loss).backward()
+                objective = loss
+                if mtp_D is not None:
+                    self.mtp_sums += full_value(mtp_D).detach() / norm
+                    objective = loss + self._mtp_weight(step) * mtp_D.sum() / norm
+                (scaler.scale(objective) if scaler else objective).backward()
             loss_sum += full_value(loss).detach()
             if self.experts is not None:
                 self.experts.after_micro_batch()
-            del token_losses, loss
+            del token_losses, loss, objective, mtp_D
         return loss_sum
 
     @torch.no_grad()

@@ -62,9 +62,11 @@ class ExpertBalance:
     def _all_stages(self, load_YE: torch.Tensor) -> torch.Tensor:
         """The whole model's [Y, E] expert loads from each pp rank's rows (its stages' MoE layers): every rank fills
         its layers' rows of a zero [Y, E] tensor and the pp group sums them."""
-        a = self.inner.args
-        moe_ids = [i for i in range(a.n_layers) if a.is_moe_layer(i)]
-        mine = [moe_ids.index(int(k)) for k in self.inner.layers if int(k) in moe_ids]
+        a, depth = self.inner.args, self.inner.mtp_depth
+        # rows: the main MoE layers, then the trained MTP modules' (layer ids n_layers + k, on the last stage)
+        moe_ids = [i for i in range(a.n_layers + depth) if a.is_moe_layer(i)]
+        held = [int(k) for k in self.inner.layers] + [a.n_layers + k for k in range(min(depth, len(self.inner.mtp)))]
+        mine = [moe_ids.index(i) for i in held if i in moe_ids]
         every_YE = torch.zeros((len(moe_ids), a.n_routed_experts), dtype=load_YE.dtype, device=load_YE.device)
         every_YE[mine] = load_YE
         dist.all_reduce(every_YE, group=self.mesh.pp_group)
