@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.paraseek-installed
 export PYTHONPATH := $(CURDIR)/src
 
-.PHONY: demo test test-gpu clean
+.PHONY: demo test test-unit test-gpu clean
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh $(VENV)
@@ -15,7 +15,11 @@ demo: $(STAMP)
 	$(PY) -m paraseek demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu" --durations=25 tests
+
+# Before each commit: single-process CPU tests (no multi-process, server or GPU tests).
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu and not dist" tests/unit
 
 # On the GPU machine: the CUDA-only tests and measurements.
 test-gpu: $(STAMP)

@@ -54,3 +54,15 @@ def test_moe_path_by_platform():
     assert infer_model.moe_path(big, kernels=True, grouped_gemm=True) == "grouped"
     assert infer_model.moe_path(big, kernels=True, grouped_gemm=False) == "fused"
     assert infer_model.moe_path(8, kernels=False, grouped_gemm=False) == "grouped"
+
+
+def test_the_planners_decode_partitions_are_the_kernels():
+    """plan --mode infer sizes the decode kernels' split-KV workspace with infer/kernels.py's partitioning constants
+    (copied: the planner does not import Triton)."""
+    pytest.importorskip("triton")
+    from paraseek.infer import kernels
+    from paraseek.planner import infer as planner_infer
+
+    assert (planner_infer.DECODE_PARTITION, planner_infer.DECODE_MAX_PARTITIONS, planner_infer.DECODE_SHORT_PARTITION,
+            planner_infer.DECODE_SHORT_CONTEXT) == (kernels.PARTITION, kernels.MAX_PARTITIONS, kernels.SHORT_PARTITION,
+                                                    kernels.SHORT_CONTEXT)

@@ -108,7 +108,7 @@ class Engine:
         self.max_model_len = cfg.context_length(self.args)
         self.tp_group, self.meta_group = tp_group, meta_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        if not isinstance(model, InferenceModel):  # a training model (whole): laid out for inference, this rank's share
+        if not isinstance(model, InferenceModel):  # a whole training model: laid out for inference (and emptied)
             model = InferenceModel.from_training(model, tp_group)
         self.runner = ModelRunner(model, self.max_model_len, cfg.block_size)
         self.device = self.runner.device
@@ -164,13 +164,15 @@ class Engine:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             weights = torch.cuda.memory_allocated()
-            prefill_ws, decode_ws = (peak - weights for peak in self._profile_run())
-            peak = weights + max(prefill_ws, decode_ws)
+            prefill_ws, decode_ws, sample_ws = (peak - weights for peak in self._profile_run())
+            peak = weights + max(prefill_ws, sample_ws)
             free, total = torch.cuda.mem_get_info()
             non_torch = total - free - torch.cuda.memory_reserved()  # CUDA context, NCCL, cuBLAS workspaces
-            # The CUDA graphs' private pool keeps the largest decode step's workspace for the engine's life, beside
-            # whatever an eager (prefill) step then allocates: both are held back from the pool.
-            graphs = decode_ws if self.platform.cuda_graphs and not cfg.enforce_eager else 0
+            # The CUDA graphs' private pool keeps the largest decode forward's workspace for the engine's life (and
+            # their logits buffer sits beside it), while an eager step or the sampler allocates on top: both are
+            # held back from the KV pool.
+            graphs = (decode_ws + cfg.max_num_seqs * self.args.vocab_size * self.runner.dtype.itemsize
+                      if self.platform.cuda_graphs and not cfg.enforce_eager else 0)
             # The caching allocator's rounding and fragmentation (planner.memory.ALLOCATOR_FRACTION): without it
             # the reserved memory of a long run creeps past the limit even when the allocated memory does not.
             budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1 - graphs
@@ -214,10 +216,10 @@ class Engine:
         return rows[0].max_context if rows else None
 
     @torch.no_grad()
-    def _profile_run(self) -> tuple[int, int]:
+    def _profile_run(self) -> tuple[int, int, int]:
         """The largest step the scheduler can build, run once on a scratch cache: max_batched_tokens of prefill in
         sequences of up to max_model_len tokens, then max_num_seqs decodes of the longest block tables, with
-        sampling. Returns the peak allocated memory of each."""
+        sampling. Returns the peak allocated memory of the prefill, of the decode forward and of it with sampling."""
         cfg, bs = self.cfg, self.cfg.block_size
         self.runner.allocate_cache(2, self.shape)
         N = cfg.max_batched_tokens
@@ -241,13 +243,15 @@ class Engine:
         hb = HostBatch(np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64), B,
                        np.zeros((B, M), np.int32), np.ones(B, np.int32), [], np.zeros(0, np.int64), np.arange(B))
         logits = self.runner.run(hb)
+        torch.cuda.synchronize()
+        decode_peak = torch.cuda.max_memory_allocated()  # the forward alone: what a decode graph keeps
         sample(logits, [SampleRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [])] * B)
         del logits
         torch.cuda.synchronize()
-        decode_peak = torch.cuda.max_memory_allocated()
+        sample_peak = torch.cuda.max_memory_allocated()
         self.runner.cache = None
         torch.cuda.empty_cache()  # the profile's blocks back to the device: the pool is one large allocation
-        return prefill_peak, decode_peak
+        return prefill_peak, decode_peak, sample_peak
 
     def _graph_batch_sizes(self) -> list[int]:
         sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))

@@ -52,7 +52,7 @@ the online softmax (Milakov & Gimelshein 2018: a running max and sum, rescaling 
   (scripts/gpu/decode_profile.py, 2026-12-01): batch 1 at 128 + 256 tokens 4.67 -> 4.52 ms per step (the kernel
   9.3 us a layer at 256-token partitions: 16 programs, latency-bound); batch 256 at 256 + 256 tokens 11.8 -> 12.9
   ms (+9%: partials and the combine pass for contexts that were one partition). Partitions of 128 gave 4.57 and
-  12.1 ms. Batch-1 latency is the target this serves (the inference issue's 4.7 ms); long contexts are unchanged.
+  12.1 ms. They serve batch-1 latency; long contexts are unchanged.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # Paged-decode partitioning (see the module docstring for why these values).
 PARTITION = 256  # tokens per partition up to MAX_PARTITIONS * PARTITION tokens of context
 MAX_PARTITIONS = 64  # bounds the grid, the fp32 workspace and the combine's loop
-# GQA contexts of at most SHORT_CONTEXT tokens are cut into partitions of SHORT_PARTITION instead (0: off): at
+# Contexts (GQA and MLA) of at most SHORT_CONTEXT tokens are cut into partitions of SHORT_PARTITION instead (0: off): at
 # batch 1 a 384-token context in 256-token partitions is 16 programs for 132 SMs, bound by latency, not by HBM.
 SHORT_PARTITION = 64
 SHORT_CONTEXT = 512
@@ -537,8 +537,8 @@ def _combine_partitions_kernel(o_part_ptr, lse_ptr, ctx_ptr, out_ptr,
              mask=mask_d)
 
 
-def _short(gqa: bool) -> tuple[int, int]:
-    """(SHORT_PARTITION, SHORT_CONTEXT) of a kernel (the same rule for GQA and MLA), or off."""
+def _short() -> tuple[int, int]:
+    """(SHORT_PARTITION, SHORT_CONTEXT), the same rule for GQA and MLA, or off."""
     return (SHORT_PARTITION, SHORT_CONTEXT) if SHORT_PARTITION and SHORT_CONTEXT else (PARTITION, 0)
 
 
@@ -546,7 +546,7 @@ def _num_partitions(block_tables_BM: torch.Tensor, block_size: int, gqa: bool) -
     """Partitions in the grid: enough for the block tables' capacity, at most MAX_PARTITIONS (shapes only)."""
     capacity = block_tables_BM.shape[1] * block_size
     n = min(MAX_PARTITIONS, triton.cdiv(capacity, PARTITION))
-    short_partition, short_context = _short(gqa)
+    short_partition, short_context = _short()
     if short_context:
         n = max(n, triton.cdiv(min(capacity, short_context), short_partition))
     return max(1, n)
@@ -565,8 +565,8 @@ def _combine(o_part_BHPD: torch.Tensor, lse_BHP: torch.Tensor, context_lens_B: t
         o_part_BHPD, lse_BHP, context_lens_B, out_BHD,
         o_part_BHPD.stride(0), o_part_BHPD.stride(1), o_part_BHPD.stride(2), lse_BHP.stride(0), lse_BHP.stride(1),
         out_BHD.stride(0), out_BHD.stride(1), DV,
-        PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS, SHORT_PARTITION=_short(gqa)[0],
-        SHORT_CONTEXT=_short(gqa)[1], BLOCK_P=_pow2(P), BLOCK_DV=block_dv,
+        PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS, SHORT_PARTITION=_short()[0],
+        SHORT_CONTEXT=_short()[1], BLOCK_P=_pow2(P), BLOCK_DV=block_dv,
         num_warps=4 if block_dv >= 512 else (2 if block_dv >= 128 else 1))
 
 
@@ -633,7 +633,7 @@ def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tens
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, QH, D,
         HEAD_TILES=head_tiles, BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        SHORT_PARTITION=_short(True)[0], SHORT_CONTEXT=_short(True)[1], BLOCK_QH=block_qh, BLOCK_D=block_d, DIRECT=direct, DOT_PREC=_dot_precision(q_BHD.dtype), **cfg)
+        SHORT_PARTITION=_short()[0], SHORT_CONTEXT=_short()[1], BLOCK_QH=block_qh, BLOCK_D=block_d, DIRECT=direct, DOT_PREC=_dot_precision(q_BHD.dtype), **cfg)
     if not direct:
         _combine(o_part, lse, context_lens_B, out_BHD, gqa=True)
     return out_BHD
@@ -673,7 +673,7 @@ def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torc
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, H, C, R,
         BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        SHORT_PARTITION=_short(False)[0], SHORT_CONTEXT=_short(False)[1], BLOCK_C=block_c, BLOCK_R=block_r, DIRECT=direct, DOT_PREC=_dot_precision(q_lat_BHC.dtype), **cfg)
+        SHORT_PARTITION=_short()[0], SHORT_CONTEXT=_short()[1], BLOCK_C=block_c, BLOCK_R=block_r, DIRECT=direct, DOT_PREC=_dot_precision(q_lat_BHC.dtype), **cfg)
     if not direct:
         _combine(o_part, lse, context_lens_B, out_BHC, gqa=False)
     return out_BHC

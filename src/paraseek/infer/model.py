@@ -21,7 +21,9 @@ replicates each kv head over tp / n_kv_heads ranks.
 
 MoE layers choose their path per step by the number of token-expert slots: the fused kernels of infer/moe.py (no
 sort, weights read once per expert tile) up to `FUSED_MAX_SLOTS`, torch._grouped_mm over tokens sorted by expert
-beyond (prefill, large batches); off CUDA the plain-torch forms of either.
+beyond (prefill, large batches); off CUDA the plain-torch forms of either. The two round differently in bf16 (the
+grouped form rounds gate and up before SwiGLU, the fused one rounds their product once), so a bf16 batch that
+crosses the threshold may pick other near-tied tokens; in fp32 they agree (tests/gpu/test_infer_gpu.py).
 """
 
 from __future__ import annotations
@@ -212,7 +214,6 @@ class MoELayer:
             gate_l, up_l, down_l = torch.cat([gate_l, sg]), torch.cat([up_l, su]), torch.cat([down_l, sd])
         self.w13_EXD = torch.cat([gate_l, up_l], dim=1).contiguous()  # [E', 2F, D]: gate rows, then up rows
         self.w2_EDF = down_l.contiguous()
-        self.shared_ids = None
 
     def route(self, h_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a
@@ -280,9 +281,13 @@ class InferenceModel:
     @torch.no_grad()
     def from_training(cls, model: Transformer, tp_group=None) -> InferenceModel:
         """Lay out a whole training model's weights for inference, taking this rank's tp share. The training model
-        is emptied layer by layer as it goes (peak memory: the model plus one layer's fused copy)."""
+        is emptied layer by layer as it goes (peak memory: the model plus one layer's fused copy): it cannot be
+        used afterwards."""
+        from paraseek.infer.tp import check_tp
+
         a = model.args
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        check_tp(a, tp)
         rank = dist.get_rank(tp_group) if tp_group is not None else 0
         layers = []
         for key in list(model.layers.keys()):
@@ -310,9 +315,9 @@ class InferenceModel:
 
     def decode_bytes(self) -> dict[str, int]:
         """Bytes of this rank's weights by how a decode step reads them, for the rooflines of `bench-infer`:
-        "dense" read whole by every step (shared experts and the fp32 router included; MLA's W_UK and W_UV, not
-        the kv_b copy only prefill reads), "routed" all routed experts (a step reads the share its tokens pick),
-        "embed" the embedding (one row per token)."""
+        "dense" read whole by every step (shared experts and the fp32 router included; MLA's kv_b once, as its
+        W_UK and W_UV views), "routed" all routed experts (a step reads the share its tokens pick), "embed" the
+        embedding (one row per token)."""
         size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
         dense = size(self.final_norm.w) + (0 if self.head_w.data_ptr() == self.embed_w.data_ptr() else size(self.head_w))
         routed = 0

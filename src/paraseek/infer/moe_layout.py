@@ -30,6 +30,9 @@ def _check_route_args(E: int, score_func: str, topk_method: str, n_group: int, t
             raise ValueError(f"route: topk_group={topk_group} must be in [1, n_group={n_group}]")
         if topk_method == "noaux_tc" and E // n_group < 2:
             raise ValueError("route: noaux_tc ranks groups by their top-2 scores: groups need >= 2 experts")
+        if topk_group * (E // n_group) < top_k:
+            raise ValueError(f"route: topk_group={topk_group} groups of {E // n_group} experts hold fewer than "
+                             f"top_k={top_k}")
     return grouped
 
 

@@ -29,7 +29,7 @@ class Platform:
     dtype: torch.dtype  # the engine's dtype under --dtype auto
     triton_kernels: bool  # ops.use_kernels: paged decode, norms, RoPE, fused MoE
     flash_prefill: bool  # FlashAttention-2 varlen prefill (else SDPA per chunk)
-    grouped_gemm: bool  # torch._grouped_mm for MoE beyond the fused kernels' range
+    grouped_gemm: bool  # torch._grouped_mm (bf16) for MoE beyond the fused kernels' range (models.deepseek decides)
     cuda_graphs: bool  # decode steps captured (needs kernels without host syncs)
 
     def line(self) -> str:
@@ -39,7 +39,7 @@ class Platform:
         parts = [str(self.dtype).removeprefix("torch."),
                  "Triton kernels" if self.triton_kernels else "plain-torch ops (Triton needs sm80+)",
                  "FlashAttention-2 prefill" if self.flash_prefill else "SDPA prefill (FlashAttention-2 needs sm80+)",
-                 "MoE: fused kernels, grouped GEMM for large batches" if self.grouped_gemm
+                 "MoE: fused kernels, grouped GEMM for large bf16 batches" if self.grouped_gemm
                  else ("MoE: fused kernels at every batch size" if self.triton_kernels else "MoE: per-expert loop"),
                  "CUDA graphs" if self.cuda_graphs else "eager decode"]
         return f"platform: {self.name} ({cc}): " + ", ".join(parts)

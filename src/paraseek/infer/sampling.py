@@ -145,22 +145,22 @@ def sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool = True)
         tokens_B = x_BV.argmax(dim=-1)
     else:
         p = [r.params for r in rows]
-        temp_B = torch.tensor([1.0 if g else q.temperature for g, q in zip(greedy, p)], device=dev)
+        temp_B = _rows_tensor([1.0 if g else q.temperature for g, q in zip(greedy, p)], dev)
         x_BV = x_BV / temp_B[:, None]
         if any(q.top_k for q in p):
-            k_B = torch.tensor([q.top_k if q.top_k else V for q in p], device=dev).clamp(max=V)
+            k_B = _rows_tensor([q.top_k if q.top_k else V for q in p], dev, torch.int64).clamp(max=V)
             kth_B = x_BV.sort(dim=-1, descending=True).values.gather(1, (k_B - 1)[:, None])
             x_BV = x_BV.masked_fill(x_BV < kth_B, float("-inf"))
         probs_BV = x_BV.softmax(dim=-1)
         if any(q.top_p < 1 for q in p):
             # Keep the smallest set of tokens whose probability reaches top_p (the most likely token always stays).
             sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-            top_p_B = torch.tensor([q.top_p for q in p], device=dev)
+            top_p_B = _rows_tensor([q.top_p for q in p], dev)
             drop_sorted = (sorted_BV.cumsum(dim=-1) - sorted_BV) >= top_p_B[:, None]
             drop_BV = torch.zeros_like(drop_sorted).scatter_(1, order_BV, drop_sorted)
             probs_BV = probs_BV.masked_fill(drop_BV, 0.0)
         if any(q.min_p > 0 for q in p):
-            min_p_B = torch.tensor([q.min_p for q in p], device=dev)
+            min_p_B = _rows_tensor([q.min_p for q in p], dev)
             probs_BV = probs_BV.masked_fill(probs_BV < min_p_B[:, None] * probs_BV.amax(-1, keepdim=True), 0.0)
         noise_BV = torch.empty_like(probs_BV).exponential_()
         for i, r in enumerate(rows):
@@ -168,7 +168,7 @@ def sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool = True)
                 noise_BV[i].exponential_(generator=r.generator)
         tokens_B = (probs_BV / noise_BV).argmax(dim=-1)
         if any(greedy):
-            tokens_B = torch.where(torch.tensor(greedy, device=dev), x_BV.argmax(dim=-1), tokens_B)
+            tokens_B = torch.where(_rows_tensor(greedy, dev, torch.bool), x_BV.argmax(dim=-1), tokens_B)
 
     if not to_host:
         return Sampled(tokens_B)
@@ -230,6 +230,13 @@ def unpack_bitmask(words_MW: torch.Tensor, V: int) -> torch.Tensor:
     shifts_32 = torch.arange(32, device=words_MW.device, dtype=torch.int32)
     bits_MW32 = (words_MW[:, :, None] >> shifts_32) & 1
     return bits_MW32.reshape(words_MW.shape[0], -1)[:, :V].bool()
+
+
+def _rows_tensor(values: list, device, dtype=torch.float32) -> torch.Tensor:
+    """A per-row parameter tensor on `device` without waiting for the work queued there: a copy from pageable host
+    memory waits for the stream (it would undo the engine's overlapped steps), one from pinned memory does not."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
 def _apply_penalties(x_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

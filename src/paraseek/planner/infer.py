@@ -27,7 +27,11 @@ from paraseek.planner.search import divisors
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # fp16: GPUs without bf16 (V100, T4), `--dtype float16` to serve
 # The engine's defaults (infer/engine.EngineConfig): the step's token budget, the decode batch, the memory share.
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION = 8192, 256, 0.9
-SAMPLER_LOGIT_COPIES = 4  # fp32 logits, their softmax, the sorted copy and its cumulative sum (top-p)
+# The sampler's peak per logit, in fp32 copies: the fp32 logits, top-k's and top-p's sorts (values and int64
+# indices), the softmax, the cumulative sum, the noise. 8 (32 B a logit) puts the KV pool within 0.1-1.8% of the
+# engine's on every shape of benchmarks/2026-12-04/bench-infer-fused-moe-all-shapes.json (4 left the 1.5B at 512
+# sequences and 25% of the GPU 6.6% above it).
+SAMPLER_LOGIT_COPIES = 8
 WORKSPACE_MARGIN = 1.1  # the engine keeps 10% of the measured workspace in reserve
 # infer/kernels.py's split-KV partitions: PARTITION, MAX_PARTITIONS, and SHORT_PARTITION up to SHORT_CONTEXT tokens
 DECODE_PARTITION, DECODE_MAX_PARTITIONS, DECODE_SHORT_PARTITION, DECODE_SHORT_CONTEXT = 256, 64, 64, 512
@@ -107,9 +111,8 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
         weights = wb * (dense + experts)
         kv = kv_bytes_per_token(a, tp)
         # The largest step's workspace with the engine's margin, and beside it the CUDA graphs' private pool, which
-        # keeps the largest decode step's (its split-KV partials and the sampler's logits) for the engine's life.
-        graphs = (decode_workspace_bytes(a, tp, max_num_seqs, seq_len)
-                  + max_num_seqs * a.vocab_size * FP32 * SAMPLER_LOGIT_COPIES)
+        # keeps the largest decode forward's (its split-KV partials) for the engine's life, and their logits buffer.
+        graphs = decode_workspace_bytes(a, tp, max_num_seqs, seq_len) + max_num_seqs * a.vocab_size * BF16
         workspace = WORKSPACE_MARGIN * step_workspace_bytes(a, tp, max_batched_tokens, max_num_seqs, seq_len) + graphs
         cap = c.memory_gib * GiB
         fixed = weights + workspace + CUDA_CONTEXT + ALLOCATOR_FRACTION * cap  # the engine's allowance for fragmentation
