@@ -8,50 +8,18 @@ Run on the GPU machine: `python3 -m pytest -q -m gpu tests/gpu/test_moe_kernels.
 Without a GPU, PARASEEK_TRITON_INTERPRET=1 runs the fp32 cases on CPU through Triton's interpreter (small shapes):
 `PARASEEK_TRITON_INTERPRET=1 PYTHONPATH=src python -m pytest -q -m gpu tests/gpu/test_moe_kernels.py`."""
 
-import os
-import zlib
-
 import pytest
 import torch
 
-# Decide the device before triton is imported: the interpreter is chosen when the kernels are decorated.
-_CUDA = torch.cuda.is_available()
-_INTERPRET = not _CUDA and os.environ.get("PARASEEK_TRITON_INTERPRET") == "1"
-if _INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-pytestmark = pytest.mark.gpu
-
-if not (_CUDA or _INTERPRET):
-    pytest.skip("needs CUDA (or PARASEEK_TRITON_INTERPRET=1 for Triton's interpreter on CPU)", allow_module_level=True)
-pytest.importorskip("triton")
+# First: it chooses CUDA or Triton's interpreter before triton is imported. reference_ops is an autouse fixture.
+from triton_device import CUDA as _CUDA, DEVICE, DTYPES, INTERPRET as _INTERPRET  # noqa: F401
+from triton_device import gen as _gen, reference_ops, rel as _rel  # noqa: F401
 
 from paraseek.infer import moe, moe_kernels, ops  # noqa: E402
 
-DEVICE = "cuda" if _CUDA else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if _CUDA else [torch.float32]  # the interpreter cannot run bf16
+pytestmark = pytest.mark.gpu
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max|kernel - reference| / max|reference|
 NEAR_TIE = 1e-5  # router scores closer than this may be ordered either way by two correct implementations
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.float(), want.float()
-    assert got.shape == want.shape
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-
-
-@pytest.fixture(autouse=True)
-def _reference_ops():
-    """moe.* is the plain-torch reference inside these tests; moe_kernels.* are called directly."""
-    before = ops.kernels_on()
-    ops.use_kernels(False)
-    yield
-    ops.use_kernels(before)
-
-
-def _gen(*key) -> torch.Generator:
-    """A CPU generator seeded from the test's parameters (stable across runs, unlike hash())."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _randn(gen: torch.Generator, *shape, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:

@@ -18,26 +18,14 @@ import threading
 import time
 import uuid
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, read_jsonl_objects
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 
 
 def read_batch(path: str) -> list[dict]:
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise UserError(f"--batch-file {path}: {e.strerror or e}") from None
     rows, seen = [], set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise UserError(f"{path}:{n}: each line must be a JSON object")
+    for n, row in read_jsonl_objects(path, "an OpenAI batch request (custom_id, method, url, body)"):
         cid = row.get("custom_id")
         if not isinstance(cid, str) or not cid:
             raise UserError(f"{path}:{n}: custom_id must be a non-empty string")
