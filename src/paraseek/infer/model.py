@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from paraseek.infer import moe, ops
 from paraseek.infer.attention import prefill_attention
+from paraseek.infer.linear import Linear
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import MLA, MoE, Transformer, _use_grouped_mm, grouped_mm
 
@@ -82,16 +83,16 @@ class DenseAttention:
             kv = [(lin.weight[h * D:(h + 1) * D], lin.bias[h * D:(h + 1) * D] if lin.bias is not None else None)
                   for lin in (attn.k_proj, attn.v_proj)]
         self.G = kv[0][0].shape[0] // D
-        self.qkv_w = torch.cat([q_w, kv[0][0], kv[1][0]]).contiguous()
-        self.qkv_b = torch.cat([q_b, kv[0][1], kv[1][1]]).contiguous() if q_b is not None else None
-        self.o_w = _heads(attn.o_proj.weight, rank, tp, 1, D).contiguous()
+        self.qkv = Linear(torch.cat([q_w, kv[0][0], kv[1][0]]).contiguous(),
+                          torch.cat([q_b, kv[0][1], kv[1][1]]).contiguous() if q_b is not None else None)
         b = attn.o_proj.bias
-        self.o_b = None if b is None else (b.clone() if rank == 0 else torch.zeros_like(b))  # added once over ranks
+        self.o = Linear(_heads(attn.o_proj.weight, rank, tp, 1, D).contiguous(),
+                        None if b is None else (b.clone() if rank == 0 else torch.zeros_like(b)))  # bias added once
         self.scale = attn.softmax_scale
 
     def forward(self, h_NE: torch.Tensor, b, cache, i: int, rope) -> torch.Tensor:
         N, H, G, D = h_NE.shape[0], self.H, self.G, self.D
-        qkv = F.linear(h_NE, self.qkv_w, self.qkv_b)
+        qkv = self.qkv(h_NE)
         q_NHD = qkv[:, :H * D].view(N, H, D)
         # One launch rotates q and k in the fused output and writes k and v into the cache.
         ops.rope_write_kv_(qkv, H, G, rope.cos_PR, rope.sin_PR, b.positions, b.slots, cache.kv[i])
@@ -100,17 +101,17 @@ class DenseAttention:
         if nd == N:  # decode-only (every CUDA-graph step): the kernel's output is the attention output
             o_NHD = ops.paged_decode_gqa(q_NHD, k_SGD, v_SGD, b.block_tables, b.context_lens, cache.block_size,
                                          self.scale)
-            return F.linear(o_NHD.view(N, H * D), self.o_w, self.o_b)
+            return self.o(o_NHD.view(N, H * D))
         o_NHD = q_NHD.new_empty((N, H, D))
         if nd:
             o_NHD[:nd] = ops.paged_decode_gqa(q_NHD[:nd], k_SGD, v_SGD, b.block_tables, b.context_lens,
                                               cache.block_size, self.scale)
         o_NHD[nd:] = prefill_attention(q_NHD[nd:], k_SGD[b.k_slots], v_SGD[b.k_slots], b.cu_q, b.cu_k,
                                        max(q for q, _ in b.lens), max(k for _, k in b.lens), b.lens, self.scale)
-        return F.linear(o_NHD.view(N, H * D), self.o_w, self.o_b)
+        return self.o(o_NHD.view(N, H * D))
 
     def decode_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qkv_w, self.qkv_b, self.o_w, self.o_b) if t is not None)
+        return self.qkv.nbytes() + self.o.nbytes()
 
 
 class LatentAttention:
@@ -123,25 +124,25 @@ class LatentAttention:
         self.q_lora = attn.q_lora_rank
         qk = self.nope + self.R
         first = attn.q_a_proj.weight if self.q_lora else _heads(attn.q_proj.weight, rank, tp, 0, qk)
-        self.in_w = torch.cat([first, attn.kv_a_proj_with_mqa.weight]).contiguous()
+        self.in_proj = Linear(torch.cat([first, attn.kv_a_proj_with_mqa.weight]).contiguous())
         if self.q_lora:
             self.q_a_norm = Norm(attn.q_a_layernorm.weight.detach().clone(), attn.q_a_layernorm.eps)
-            self.q_b_w = _heads(attn.q_b_proj.weight, rank, tp, 0, qk).contiguous()
+            self.q_b = Linear(_heads(attn.q_b_proj.weight, rank, tp, 0, qk).contiguous())
         self.kv_norm = Norm(attn.kv_a_layernorm.weight.detach().clone(), attn.kv_a_layernorm.eps)
         self.kv_b_w = _heads(attn.kv_b_proj.weight, rank, tp, 0, self.nope + self.V).contiguous()
         # Views of kv_b (one copy in memory; cuBLAS reads the strided and transposed batches as they are):
         w_HXC = self.kv_b_w.view(self.H, self.nope + self.V, self.C)
         self.w_uk_HDC = w_HXC[:, :self.nope]  # q_nope -> latent space (absorbed into the query)
         self.w_uv_HCV = w_HXC[:, self.nope:].transpose(1, 2)  # attended latent -> each head's value
-        self.o_w = _heads(attn.o_proj.weight, rank, tp, 1, self.V).contiguous()
+        self.o = Linear(_heads(attn.o_proj.weight, rank, tp, 1, self.V).contiguous())
         self.scale, self.interleave = attn.softmax_scale, attn.interleave
 
     def forward(self, h_NE: torch.Tensor, b, cache, i: int, rope) -> torch.Tensor:
         N, C, R, nope, Dv, H = h_NE.shape[0], self.C, self.R, self.nope, self.V, self.H
-        y = F.linear(h_NE, self.in_w)
+        y = self.in_proj(h_NE)
         if self.q_lora:
             q_a, kv_a = y.split([self.q_lora, C + R], dim=-1)
-            q = F.linear(ops.rms_norm(q_a, self.q_a_norm.w, self.q_a_norm.eps), self.q_b_w)
+            q = self.q_b(ops.rms_norm(q_a, self.q_a_norm.w, self.q_a_norm.eps))
         else:
             q, kv_a = y.split([y.shape[-1] - C - R, C + R], dim=-1)
         q_NHX = q.view(N, H, nope + R)
@@ -167,24 +168,25 @@ class LatentAttention:
             k_KHD = torch.cat([kv_KHX[..., :nope], ctx_KX[:, None, C:].expand(K, H, R)], dim=-1)
             o_NHV[nd:] = prefill_attention(q_NHX[nd:], k_KHD, kv_KHX[..., nope:], b.cu_q, b.cu_k,
                                            max(q for q, _ in b.lens), max(k for _, k in b.lens), b.lens, self.scale)
-        return F.linear(o_NHV.reshape(N, H * Dv), self.o_w)
+        return self.o(o_NHV.reshape(N, H * Dv))
 
     def decode_bytes(self) -> int:
         # Decode reads kv_b as W_UK and W_UV (views of it), each element once.
-        ts = [self.in_w, self.kv_norm.w, self.kv_b_w, self.o_w]
-        ts += [self.q_a_norm.w, self.q_b_w] if self.q_lora else []
-        return sum(t.numel() * t.element_size() for t in ts)
+        ts = [self.kv_norm.w, self.kv_b_w] + ([self.q_a_norm.w] if self.q_lora else [])
+        projs = [self.in_proj, self.o] + ([self.q_b] if self.q_lora else [])
+        return sum(t.numel() * t.element_size() for t in ts) + sum(p.nbytes() for p in projs)
 
 
 class DenseMLP:
     """SwiGLU with gate|up fused: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, mlp, rank: int, tp: int):
-        self.gate_up_w = torch.cat([_heads(mlp.gate_proj.weight, rank, tp), _heads(mlp.up_proj.weight, rank, tp)]).contiguous()
-        self.down_w = _heads(mlp.down_proj.weight, rank, tp, 1).contiguous()
+        self.gate_up = Linear(torch.cat([_heads(mlp.gate_proj.weight, rank, tp),
+                                         _heads(mlp.up_proj.weight, rank, tp)]).contiguous())
+        self.down = Linear(_heads(mlp.down_proj.weight, rank, tp, 1).contiguous())
 
     def forward(self, h_NE: torch.Tensor) -> torch.Tensor:
-        return F.linear(ops.silu_mul(F.linear(h_NE, self.gate_up_w)), self.down_w)
+        return self.down(ops.silu_mul(self.gate_up(h_NE)))
 
 
 class MoELayer:
@@ -329,7 +331,7 @@ class InferenceModel:
                 routed += experts * m.E // (m.E + m.n_shared)
                 dense += experts - experts * m.E // (m.E + m.n_shared) + size(m.router_w32, m.bias_E)
             else:
-                dense += size(L.mlp.gate_up_w, L.mlp.down_w)
+                dense += L.mlp.gate_up.nbytes() + L.mlp.down.nbytes()
         return {"dense": dense, "routed": routed, "embed": size(self.embed_w)}
 
     @torch.no_grad()
