@@ -37,21 +37,23 @@ def main() -> None:
         kernels.SHORT_PARTITION, kernels.SHORT_CONTEXT = (int(x) for x in opts["--short"].split(","))
     ns = build_parser().parse_args(["bench-infer", *argv, "--random-weights"])
     src = resolve_source(ns.model, random_weights=True, tokenizer=None)
+    if getattr(ns, "layers", None):  # bench-infer's --layers: the architecture cut to its first N layers
+        src.args = src.args.replace(n_layers=ns.layers, n_mtp_layers=0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     engine = build_engine(ns, src, place(ns, dev), log=lambda *a, **k: None)
     runner = engine.runner
     seen = []
     run = runner.run
 
-    def spy(hb, patch=None):
+    def spy(hb, *rest):  # the runner's other argument (the decode rows' input sources) passed through as given
         seen.append(hb)
-        return run(hb, patch)
+        return run(hb, *rest)
 
     runner.run = spy
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
-    # The engine's decode steps at `batch` sequences of 128 + 256 tokens.
-    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    # The engine's decode steps at `batch` sequences of `--input` + 256 tokens (at most --max-num-seqs of them).
+    params = SamplingParams(max_tokens=256 if prompt_len + 256 <= engine.max_model_len else 16, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 1 for j in range(prompt_len)], params)
     step_s = []
@@ -107,9 +109,9 @@ def main() -> None:
         rng = random.Random(0)
         kinds = {"graph": [0, 0.0, 0], "eager": [0, 0.0, 0]}
 
-        def timed(hb, patch=None):
+        def timed(hb, *rest):
             t0 = time.perf_counter()
-            r = run(hb, patch)
+            r = run(hb, *rest)
             sync()
             k = kinds["graph" if runner.graph_key(hb) is not None else "eager"]
             k[0] += 1

@@ -4,13 +4,13 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
-Groups: tests, llama8b, qwen, qwen_wide (1,024 sequences, 16,384 batched tokens), v2lite, v3cut (V3's first 6
-layers), v3deep (V3's architecture at 27 layers of reduced width), v2profile, tune (the fused-MoE configs), stress, hf (HF generate
-on the same requests, 8B and 1.5B; hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under
-`paraseek bench-serve`, then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the
-same with --max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile (the server's CPU per streamed token by thread, and py-spy's
-samples at concurrency 32: carry py-spy's wheel in .whl), profile
-(scripts/gpu/decode_profile.py variants).
+Groups: tests, llama8b, llama8b_latency, llama8b_tput (greedy and sampled), qwen, v2lite, v3cut (V3's first 6
+layers), v3deep (V3's architecture at 27 layers of reduced width), profiles (scripts/gpu/decode_profile.py per case,
+this code and .baseline/'s), tune (the fused-MoE configs), stress, hf (HF generate on the same requests, 8B and 1.5B;
+hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under `paraseek bench-serve`,
+then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the same with
+--max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile
+(the server's CPU per streamed token by thread, and py-spy's samples at concurrency 32: carry py-spy's wheel in .whl).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
 """
@@ -124,22 +124,36 @@ def group_v3deep(out: Path, anchors: str) -> list[dict]:
                   "--concurrency-input", "2048", "--concurrency-output", "128")]
 
 
-def group_v2profile(out: Path, anchors: str, src: Path = ROOT, name: str = "v2profile") -> list[dict]:
-    """scripts/gpu/decode_profile.py on the V2-Lite shape at batch 1 and 64: engine step vs replay, top kernels.
-    `src`: another checkout of the project (the code before a change, for a same-call before/after)."""
+def profile_cases(out: Path, cases: str, src: Path, name: str) -> list[dict]:
+    """scripts/gpu/decode_profile.py (this checkout's script) on the code of `src` for each case MODEL:BATCH:INPUT[:LAYERS]
+    (LAYERS: bench-infer's --layers): engine step vs replay and the top kernels of one replay, one file per case."""
     lines = []
     env = dict(ENV, PYTHONPATH=str(src / "src"))
-    for batch in [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,64").split(",")]:
-        rc, text = sh([PY, str(src / "scripts/gpu/decode_profile.py"), V2LITE, "--batch", str(batch), "--input",
-                       "128"], 240, env)
-        (out / f"{name}-b{batch}.txt").write_text(text)
-        lines += [l for l in text.splitlines() if l.startswith("PROFILE")] or [f"PROFILE rc {rc}"]
+    for case in cases.split(","):
+        model, batch, inp, *layers = case.split(":")
+        flags = ["--layers", layers[0]] if layers else []
+        # 128 sequences at most: fewer graphs to capture; the profiled batch's graph is the same.
+        rc, text = sh([PY, str(ROOT / "scripts/gpu/decode_profile.py"), model, "--batch", batch, "--input", inp,
+                       "--max-num-seqs", str(max(128, int(batch))), *flags], 240, env)
+        short = {LLAMA: "llama8b", QWEN: "qwen", V2LITE: "v2lite", "deepseek-v3": "v3cut"}.get(model, Path(model).name)
+        (out / f"{name}-{short}-b{batch}.txt").write_text(text)
+        lines += [l for l in text.splitlines() if l.startswith("PROFILE")] or [f"PROFILE {case} rc {rc}"]
     return [{"name": name, "rc": 0, "lines": lines}]
 
 
-def group_v2profile_before(out: Path, anchors: str) -> list[dict]:
-    """The same profile of the checkout in .baseline/ (`git archive BASE src scripts | tar -x -C .baseline`)."""
-    return group_v2profile(out, anchors, ROOT / ".baseline", "v2profile-before")
+def group_profiles(out: Path, anchors: str) -> list[dict]:
+    """Decode profiles of this code ($PROFILE_CASES) and, when .baseline/ holds an earlier checkout
+    (`git archive REV src | tar -x -C .baseline`), of that code ($PROFILE_BASELINE_CASES): before/after in one run."""
+    rows = profile_cases(out, os.environ.get("PROFILE_CASES", f"{V2LITE}:1:128,{V2LITE}:64:2048"), ROOT, "profile")
+    if (ROOT / ".baseline/src").is_dir() and os.environ.get("PROFILE_BASELINE_CASES"):
+        rows += profile_cases(out, os.environ["PROFILE_BASELINE_CASES"], ROOT / ".baseline", "profile-before")
+    return rows
+
+
+def group_llama8b_tput(out: Path, anchors: str) -> list[dict]:
+    """The 8B offline workload (1,000 requests) at default flags, greedy and sampled (temperature 0.8, top-p 0.95)."""
+    return [bench(out, "llama8b-tput", LLAMA, "--workloads", "throughput"),
+            bench(out, "llama8b-sampled", LLAMA, "--workloads", "throughput", "--temperature", "0.8", "--top-p", "0.95")]
 
 
 def group_tune(out: Path, anchors: str) -> list[dict]:
@@ -149,25 +163,6 @@ def group_tune(out: Path, anchors: str) -> list[dict]:
     (out / "tune.txt").write_text(text)
     (out / "moe_configs.json").write_text((ROOT / "src/paraseek/infer/moe_configs.json").read_text())
     return [{"name": "tune", "rc": rc, "lines": text.strip().splitlines()[-30:]}]
-
-
-def group_qwen_wide(out: Path, anchors: str) -> list[dict]:
-    """The same 1,000 requests with room for all of them at once (vLLM's offline defaults on an 80+ GiB GPU: 1,024
-    sequences, 16,384 batched tokens)."""
-    return [bench(out, "qwen-wide", QWEN, "--workloads", "throughput", "--max-num-seqs", "1024",
-                  "--max-batched-tokens", "16384")]
-
-
-def group_profile(out: Path, anchors: str) -> list[dict]:
-    """scripts/gpu/decode_profile.py on the 8B shape: batch 1 (128 + 256 tokens) and batch 256 (256 + 256 tokens),
-    with the GQA kernel's short-context partitions off, of 64 and of 128 tokens."""
-    lines = []
-    for batch, inp, shorts in ((1, 128, ("0,0", "64,512", "128,512")), (256, 256, ("0,0", "64,512", "128,512"))):
-        for short in shorts:
-            rc, text = sh([PY, "scripts/gpu/decode_profile.py", LLAMA, "--batch", str(batch), "--input", str(inp),
-                           "--short", short], 120)
-            lines += [l for l in text.splitlines() if l.startswith("PROFILE")] or [f"PROFILE rc {rc}"]
-    return [{"name": "profile", "rc": 0, "lines": lines}]
 
 
 def group_stress(out: Path, anchors: str) -> list[dict]:

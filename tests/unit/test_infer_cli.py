@@ -107,3 +107,19 @@ def test_more_gpus_than_visible_is_one_line(folder, capsys, monkeypatch, no_weig
     assert main(["generate", str(folder), "--prompt", "x", "--tp", "2", "--dp", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--tp 2 x --dp 1 = 2 GPUs, but 1 is visible" in err and len(err.splitlines()) == 1
+
+
+def test_offline_batch_defaults_follow_the_gpu_memory_and_are_said(folder, capsys):
+    """generate/bench-infer default to 1,024 sequences and 16,384 tokens a step on GPUs of 70 GiB or more (not the
+    A100), 256 and 8,192 elsewhere; a flag the user gives is kept; the chosen values are printed."""
+    from paraseek.infer.config import offline_defaults
+
+    assert offline_defaults(139.8, "NVIDIA H200")[:2] == (1024, 16384)
+    assert offline_defaults(79.3, "NVIDIA A100-SXM4-80GB")[:2] == (256, 8192)
+    assert offline_defaults(44.4, "NVIDIA L40S")[:2] == (256, 8192)
+    assert offline_defaults(None)[:2] == (256, 8192)
+    rc = main(["generate", str(folder), "--prompt", "In the beginning", "--quiet", "--max-new-tokens", "2",
+               "--max-num-seqs", "3"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "engine: up to 3 sequences, 8,192 tokens a step (offline defaults for the CPU; set --max-batched-tokens" in err

@@ -186,7 +186,8 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
 
     def run(prompts, outs):
         log.clear()
-        params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in outs]
+        params = [SamplingParams(max_tokens=o, temperature=ns.temperature, top_p=ns.top_p, ignore_eos=True,
+                                 seed=ns.seed + i if ns.temperature > 0 else None) for i, o in enumerate(outs)]
         sync()
         t0 = time.perf_counter()
         reqs = engine.generate(prompts, params, progress=not ns.json and len(prompts) > 50)
@@ -226,6 +227,7 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
         ttft = sorted(r.first_token_time - r.arrival for r in reqs)
         out["throughput"] = {
             "requests": n, "input_len": ns.input_len, "output_len": ns.output_len, "input_tokens": n_in,
+            "temperature": ns.temperature, "top_p": ns.top_p,
             "output_tokens": n_out, "wall_s": wall, "output_tokens_per_s": n_out / wall,
             "total_tokens_per_s": (n_in + n_out) / wall, "requests_per_s": n / wall, "steps": len(log),
             "roofline_wall_s": floor, "roofline_fraction": floor / wall,
@@ -253,7 +255,8 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
 def cmd_bench_infer(ns: argparse.Namespace) -> int:
     import torch
 
-    from paraseek.infer.cli import build_engine, check_parallel, device_for, engine_config, place
+    from paraseek.infer.cli import (build_engine, check_parallel, device_for, engine_config, place,
+                                    resolve_offline_defaults)
     from paraseek.infer.load import resolve_source
 
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
@@ -265,6 +268,7 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
         src.args = src.args.replace(n_layers=ns.layers, n_mtp_layers=0)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
+    batch_line = resolve_offline_defaults(ns, device)
     check_workloads(ns, engine_config(ns).context_length(src.args))
     check_plot(ns.plot)
     if ns.tp * ns.dp > 1:
@@ -272,8 +276,11 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
                         "`paraseek generate --tp N` timings")
     if ns.reps < 1 or ns.num_requests < 1:
         raise UserError("--reps and --num-requests must be >= 1")
+    if ns.temperature < 0 or not 0 < ns.top_p <= 1:
+        raise UserError(f"--temperature must be >= 0 and --top-p in (0, 1], got {ns.temperature} and {ns.top_p}")
     pl = place(ns, device)
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    log(batch_line)
     t0 = time.perf_counter()
     # Before the engine: the measurement's 2 GiB of buffers must not compete with the KV pool, which takes what is left.
     ceilings = measure_ceilings(torch.device(pl.device))
@@ -351,7 +358,7 @@ def register(subparsers) -> None:
         "batch-1 latency (TTFT, ms per output token), offline throughput of --num-requests requests with uniform "
         "random lengths, and decode throughput per concurrency; each with the roofline from this GPU's measured "
         "HBM and GEMM rates.")
-    add_engine_arguments(p)
+    add_engine_arguments(p, offline=True)
     p.add_argument("--workloads", default="latency,throughput,concurrency",
                    help="comma list of latency, throughput, concurrency (default: all)")
     p.add_argument("--num-requests", type=int, default=1000, help="throughput: requests (default 1000)")
@@ -363,6 +370,9 @@ def register(subparsers) -> None:
     p.add_argument("--concurrency", default="1,8,32,64,128,256", help="concurrency sweep (default 1,8,32,64,128,256)")
     p.add_argument("--concurrency-input", type=int, default=128, help="concurrency: prompt tokens (default 128)")
     p.add_argument("--concurrency-output", type=int, default=128, help="concurrency: new tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request (default 0: "
+                   "greedy); request i is seeded with --seed + i")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p with --temperature (default 1.0)")
     p.add_argument("--layers", type=int, help="with --random-weights: only the first N layers of the architecture "
                    "(the dense ones it starts with included), a model cut to fit one GPU with its layers' shapes intact")
     p.add_argument("--json", action="store_true", help="print one JSON document")

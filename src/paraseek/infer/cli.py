@@ -19,8 +19,9 @@ _WORKER_ENV = "PARASEEK_INFER_WORKER"
 
 # ---- flags ----------------------------------------------------------------------------------------------------------
 def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | None = None,
-                         max_batched_tokens_why: str = "") -> None:
-    """MODEL and the engine's flags; `max_batched_tokens`: this command's own default for --max-batched-tokens."""
+                         max_batched_tokens_why: str = "", offline: bool = False) -> None:
+    """MODEL and the engine's flags; `max_batched_tokens`: this command's own default for --max-batched-tokens;
+    `offline`: --max-num-seqs and --max-batched-tokens default to infer.config.offline_defaults on the GPU found."""
     p.add_argument("model", help="an HF model folder (config.json + *.safetensors + tokenizer), a paraseek training "
                    "checkpoint folder (its newest complete step), or a preset name with --random-weights")
     g = p.add_argument_group("model and parallelism")
@@ -40,12 +41,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
     e.add_argument("--max-model-len", type=int, help="prompt + output tokens per sequence (default: the model's "
                    "max_position_embeddings, at most 32768)")
     e.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
-    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help=f"running sequences at most (default {d.max_num_seqs})")
-    step_tokens = max_batched_tokens or d.max_batched_tokens
-    e.add_argument("--max-batched-tokens", type=int, default=step_tokens,
-                   help=f"tokens per step; bounds the prefill workspace (default {step_tokens}"
-                   f"{max_batched_tokens_why})")
+    if offline:
+        from paraseek.infer.config import OFFLINE_LARGE, OFFLINE_LARGE_GPU_GIB, OFFLINE_SMALL
+
+        big = f"on GPUs of {OFFLINE_LARGE_GPU_GIB} GiB or more other than the A100"
+        e.add_argument("--max-num-seqs", type=int, help=f"running sequences at most (default {OFFLINE_LARGE[0]:,} "
+                       f"{big}, {OFFLINE_SMALL[0]} elsewhere: vLLM's offline defaults)")
+        e.add_argument("--max-batched-tokens", type=int, help=f"tokens per step; bounds the prefill workspace "
+                       f"(default {OFFLINE_LARGE[1]:,} {big}, {OFFLINE_SMALL[1]:,} elsewhere)")
+    else:
+        e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help=f"running sequences at most (default {d.max_num_seqs})")
+        step_tokens = max_batched_tokens or d.max_batched_tokens
+        e.add_argument("--max-batched-tokens", type=int, default=step_tokens,
+                       help=f"tokens per step; bounds the prefill workspace (default {step_tokens}"
+                       f"{max_batched_tokens_why})")
     e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help=f"share of GPU memory for weights, workspace and KV cache (default {d.gpu_memory_utilization})")
     e.add_argument("--num-kv-blocks", type=int, help="exact KV pool size in blocks (overrides the memory rule)")
@@ -89,6 +99,29 @@ def _engine_defaults():
     from paraseek.infer.config import EngineConfig
 
     return EngineConfig()
+
+
+def resolve_offline_defaults(ns: argparse.Namespace, device: str) -> str:
+    """Fill --max-num-seqs / --max-batched-tokens left unset with the offline defaults for this device; returns the
+    line that says what the engine runs with."""
+    from paraseek.infer.config import offline_defaults
+
+    gib, name = None, ""
+    if device.startswith("cuda"):
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.device(device))
+        gib, name = props.total_memory / 2**30, props.name
+    seqs, tokens, why = offline_defaults(gib, name)
+    chosen = []
+    if ns.max_num_seqs is None:
+        ns.max_num_seqs = seqs
+        chosen.append("--max-num-seqs")
+    if ns.max_batched_tokens is None:
+        ns.max_batched_tokens = tokens
+        chosen.append("--max-batched-tokens")
+    line = f"engine: up to {ns.max_num_seqs:,} sequences, {ns.max_batched_tokens:,} tokens a step"
+    return line + (f" ({why}; set {' and '.join(chosen)} to change)" if chosen else " (as given)")
 
 
 def engine_config(ns: argparse.Namespace):
@@ -285,6 +318,8 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     from paraseek.infer.model import InferenceModel
     from paraseek.infer.platform import for_device
 
+    if ns.max_num_seqs is None or ns.max_batched_tokens is None:  # an offline command's defaults, not yet resolved
+        log(resolve_offline_defaults(ns, pl.device))
     platform = for_device(pl.device)
     dtype = {"auto": platform.dtype, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float32": torch.float32}[ns.dtype]
@@ -396,6 +431,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
+    batch_line = resolve_offline_defaults(ns, device)
     tokenizer = load_tokenizer(src)
     cfg = engine_config(ns)
     defaults, why = generation_defaults(src)
@@ -430,7 +466,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     pl = place(ns, device)
     say = print if pl.rank == 0 else (lambda *a, **k: None)
     say(f"generate: {src.spec} ({src.kind}), tokenizer: {src.tokenizer_why}; sampling: {why}; "
-        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp} x dp {ns.dp} on {device}",
+        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp} x dp {ns.dp} on {device}\n{batch_line}",
         file=sys.stderr, flush=True)
     engine = build_engine(ns, src, pl, log=lambda *a, **k: say(*a, file=sys.stderr, **k))
     if pl.rank == 0:
@@ -503,7 +539,7 @@ def register(subparsers) -> None:
         "memory, continuous batching with chunked prefill, prefix caching, CUDA graphs for decode steps, tensor "
         "parallel (--tp) and replicas (--dp). Prints each prompt's text, or with --json one JSON object per prompt "
         "(text, token_ids, finish_reason, token counts, timing).")
-    add_engine_arguments(p)
+    add_engine_arguments(p, offline=True)
     add_sampling_arguments(p)
     src = p.add_argument_group("prompts")
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")

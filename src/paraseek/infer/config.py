@@ -6,6 +6,24 @@ from dataclasses import dataclass
 
 from paraseek.errors import UserError
 
+# Offline runs (`generate`, `bench-infer`) default to vLLM's offline batch settings by GPU memory
+# (vllm/engine/arg_utils.py, get_batch_defaults, LLM class): on GPUs of 70 GiB or more other than the A100 (where vLLM
+# measured larger steps slower) up to 1,024 sequences and 16,384 tokens a step, else 256 and 8,192. A server keeps
+# EngineConfig's 256 sequences: they bound each step's latency, which streaming clients feel.
+OFFLINE_LARGE_GPU_GIB = 70
+OFFLINE_LARGE = (1024, 16384)
+OFFLINE_SMALL = (256, 8192)
+
+
+def offline_defaults(gpu_memory_gib: float | None, gpu_name: str = "") -> tuple[int, int, str]:
+    """(max_num_seqs, max_batched_tokens, why) for an offline run on this GPU (None: no GPU)."""
+    if gpu_memory_gib is not None and gpu_memory_gib >= OFFLINE_LARGE_GPU_GIB and "a100" not in gpu_name.lower():
+        return (*OFFLINE_LARGE, f"offline defaults for a GPU of {gpu_memory_gib:.0f} GiB")
+    where = "the CPU" if gpu_memory_gib is None else f"a GPU of {gpu_memory_gib:.0f} GiB"
+    if gpu_memory_gib is not None and "a100" in gpu_name.lower():
+        where = "an A100"
+    return (*OFFLINE_SMALL, f"offline defaults for {where}")
+
 
 @dataclass
 class EngineConfig:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -58,13 +59,12 @@ class CacheReport:
 
 @dataclass
 class InFlight:
-    """A launched greedy step whose tokens are still on the device: row i of `tokens` is items[i]'s next token,
-    to be written at token_ids[positions[i]] of its request."""
+    """A launched step whose tokens are still on the device (the runner keeps them as the next step's inputs): row i
+    is items[i]'s next token, to be written at token_ids[positions[i]] of its request."""
 
     items: list[Scheduled]
     positions: list[int]
-    tokens: torch.Tensor  # [n] int64 on the step's device
-    host: torch.Tensor  # [n] its copy on the host (pinned; filled once `event` has happened)
+    host: torch.Tensor  # [n] the step's tokens on the host (pinned; filled once `event` has happened)
     event: object | None
 
 
@@ -368,7 +368,7 @@ class Engine:
         logits = self.runner.run(hb)
         items = [s for s in plan.items if s.sample]
         if all(s.request.device_sampled and s.request.params.greedy for s in items):
-            out = Sampled(logits.argmax(dim=-1).tolist())
+            out = Sampled(self.runner.greedy(logits).tolist())
         else:
             out = sample(logits, [self._sample_row(s.request) for s in items])
         for s in plan.items:
@@ -386,15 +386,16 @@ class Engine:
     def _launch(self, plan: StepPlan, prev: InFlight | None) -> InFlight:
         """Start a greedy step on the device; its tokens stay there (and in a placeholder at the end of each
         request's token_ids) until `_read_back`."""
-        hb, (rows, src) = self._host_batch(plan)
-        patch = (rows, src, prev.tokens) if rows else None  # decode inputs that are the previous step's tokens
-        logits = self.runner.run(hb, patch)
+        hb, src = self._host_batch(plan)
+        # Decode rows whose input is the previous step's token, still on the device: the runner takes it from there.
+        logits = self.runner.run(hb, src if prev is not None else None)
         items = [s for s in plan.items if s.sample]
         if all(s.request.params.greedy for s in items):
-            tokens = logits.argmax(dim=-1)
+            tokens = self.runner.greedy(logits)
         else:  # on the device, each seeded request from its own generator; read back with the step's tokens
             tokens = sample(logits, [SampleRow(s.request.params, [], [], s.request.generator) for s in items],
                             to_host=False).token_ids
+        self.runner.keep_tokens(tokens)
         for s in plan.items:
             s.request.num_computed = s.start + s.n
         positions = []
@@ -414,7 +415,7 @@ class Engine:
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return InFlight(items, positions, tokens, host, event)
+        return InFlight(items, positions, host, event)
 
     def _read_back(self, f: InFlight) -> list[Request]:
         if f.event is not None:
@@ -476,33 +477,34 @@ class Engine:
             return "length"
         return None
 
-    def _host_batch(self, plan: StepPlan) -> tuple[HostBatch, tuple[list[int], list[int]]]:
-        """The step's int arrays: decodes (the leading one-token items) with plain ints, prefill chunks with numpy;
-        and the decode rows whose input token is still on the device, with their rows in the previous step's
-        sampled tokens."""
+    def _host_batch(self, plan: StepPlan) -> tuple[HostBatch, np.ndarray]:
+        """The step's int arrays (decodes, the leading one-token items, then prefill chunks), and for each decode row
+        the row of the previous step's sampled tokens that is its input when that token is still on the device (its
+        placeholder, -1 in token_ids), else -1."""
         bs = self.cfg.block_size
         items = plan.items
         nd = 0
         while nd < len(items) and items[nd].n == 1:
             nd += 1
-        ids, pos, slots, logits_idx = [], [], [], []
-        patch_rows, patch_src = [], []
+        ids, pos, src, blocks, logits_idx = [], [], [], [], []
         for i, s in enumerate(items[:nd]):
             req, p = s.request, s.start
-            ids.append(req.token_ids[p])
-            if req.pending and p >= len(req.token_ids) - req.pending:  # still on the device: patched there
-                patch_rows.append(i)
-                patch_src.append(req.sample_row)
+            tok = req.token_ids[p]
+            ids.append(tok)
+            src.append(req.sample_row if tok < 0 else -1)
             pos.append(p)
-            slots.append(req.blocks[p // bs] * bs + p % bs)
+            blocks.append(req.blocks)
             if s.sample:
                 logits_idx.append(i)
-        M = max((len(s.request.blocks) for s in items[:nd]), default=1)
+        # Block tables in one pass: every row's blocks flattened, then spread into the rows (row-major order).
+        n_blocks = np.fromiter(map(len, blocks), np.int64, nd)
+        M = int(n_blocks.max()) if nd else 1
         bt = np.zeros((nd, M), dtype=np.int32)
-        for i, s in enumerate(items[:nd]):
-            bt[i, :len(s.request.blocks)] = s.request.blocks
-        ctx = np.asarray(pos, dtype=np.int32) + 1
-        ids_np, pos_np, slots_np = [np.asarray(ids, np.int64)], [np.asarray(pos, np.int64)], [np.asarray(slots, np.int64)]
+        bt[np.arange(M) < n_blocks[:, None]] = np.fromiter(chain.from_iterable(blocks), np.int32, int(n_blocks.sum()))
+        pos_d = np.asarray(pos, dtype=np.int64)
+        slots_d = bt[np.arange(nd), pos_d // bs].astype(np.int64) * bs + pos_d % bs
+        ctx = (pos_d + 1).astype(np.int32)
+        ids_np, pos_np, slots_np = [np.asarray(ids, np.int64)], [pos_d], [slots_d]
         lens, k_slots, row = [], [], nd
         for s in items[nd:]:
             req = s.request
@@ -520,7 +522,7 @@ class Engine:
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
         hb = HostBatch(cat(ids_np), cat(pos_np), cat(slots_np), nd, bt, ctx, lens, cat(k_slots),
                        np.asarray(logits_idx, dtype=np.int64))
-        return hb, (patch_rows, patch_src)
+        return hb, np.asarray(src, dtype=np.int64)
 
     def _broadcast(self, hb: HostBatch | None) -> None:
         """Send the step to the replica's other tp ranks (None: tell them to stop)."""

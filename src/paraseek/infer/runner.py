@@ -1,7 +1,8 @@
 """The runner: a step's inputs from the host to the device, the inference model's forward over them (infer/model.py)
 and the paged cache it reads and writes.
 
-Decode-only steps replay CUDA graphs captured per (batch bucket, block-table width); everything else runs eagerly.
+Decode-only steps replay CUDA graphs captured per (batch bucket, block-table width) that hold the whole step, input
+patching and greedy sampling included; everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -86,7 +87,14 @@ class HostBatch:
 
 class ModelRunner:
     """The inference model of one tp rank (infer/model.py), its cache, the step's inputs on the device and the CUDA
-    graphs of decode steps."""
+    graphs of decode steps.
+
+    A decode step's graph holds the whole step: its inputs are views of two flat device buffers (int64: input ids,
+    positions, slots, and for each row the row of the previous step's tokens that is its input, or -1; int32: context
+    lengths and block tables), filled by one copy each from pinned host memory; inside the graph the rows whose input
+    is a token still on the device (the overlapped steps of engine.py) take it from the token buffer, the forward runs,
+    and the greedy tokens (argmax) are written back into that buffer. Outside the graph a step costs two host-to-device
+    copies, the replay and the copy of its tokens to the host."""
 
     def __init__(self, model: InferenceModel, max_model_len: int, block_size: int):
         self.model, self.args = model, model.args
@@ -98,6 +106,9 @@ class ModelRunner:
         model.set_positions(max_model_len)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_batch_sizes: list[int] = []
+        self.tokens: torch.Tensor | None = None  # the last step's sampled tokens on the device ([n_sample] int64)
+        self._tok: torch.Tensor | None = None  # with graphs: the static buffer `tokens` lives in
+        self._replayed = 0  # rows of the last step if it was a graph replay (its greedy tokens are in _tok), else 0
 
     # ---- the cache -----------------------------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, shape) -> None:
@@ -109,6 +120,21 @@ class ModelRunner:
         """Logits [n_sample, vocab] of the rows b.logits_idx (into `logits_out` when given)."""
         return self.model.forward(b, self.cache, logits_out)
 
+    def greedy(self, logits_SV: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens [n_sample] int64 of the last step's logits: computed inside its graph if it was replayed."""
+        if self._replayed:
+            return self._tok[:self._replayed]
+        return logits_SV.argmax(dim=-1)
+
+    def keep_tokens(self, tokens_S: torch.Tensor) -> None:
+        """The step's sampled tokens (on the device): the inputs of the next step's decode rows that name them."""
+        if self._tok is None or not tokens_S.is_cuda:
+            self.tokens = tokens_S
+            return
+        if tokens_S.data_ptr() != self._tok.data_ptr():
+            self._tok[:len(tokens_S)].copy_(tokens_S)
+        self.tokens = self._tok
+
     # ---- CUDA graphs ------------------------------------------------------------------------------------------------
     def graph_key(self, b: HostBatch) -> tuple[int, int] | None:
         """The captured graph that can run this step: decode-only, batch padded up to a captured size, block tables
@@ -118,75 +144,92 @@ class ModelRunner:
         i = bisect.bisect_left(self.graph_batch_sizes, b.n_decode)
         if i == len(self.graph_batch_sizes):
             return None
-        widths = sorted({m for _, m in self.graphs})
-        j = bisect.bisect_left(widths, b.block_tables.shape[1])
-        return (self.graph_batch_sizes[i], widths[j]) if j < len(widths) else None
+        j = bisect.bisect_left(self._widths, b.block_tables.shape[1])
+        return (self.graph_batch_sizes[i], self._widths[j]) if j < len(self._widths) else None
+
+    def _graph_inputs(self, bsz: int, m: int) -> tuple[StepBatch, torch.Tensor]:
+        """The step of graph (bsz, m) as views of the flat input buffers, and its input-token sources."""
+        i64, i32 = self._i64, self._i32
+        ids, pos, slots, src = (i64[k * bsz:(k + 1) * bsz] for k in range(4))
+        empty32 = i32[:0]
+        sb = StepBatch(ids, pos, slots, bsz, i32[bsz:bsz + bsz * m].view(bsz, m), i32[:bsz], empty32, empty32,
+                       slots[:0], [], self._rows[:bsz], every_row=True)
+        return sb, src
+
+    def _graph_step(self, bsz: int, m: int) -> torch.Tensor:
+        sb, src = self._graph_inputs(bsz, m)
+        # Rows whose input token is still on the device take it from the previous step's tokens.
+        sb.input_ids = torch.where(src >= 0, self._tok[src.clamp(min=0)], sb.input_ids)
+        logits = self.forward(sb, self._logits[:bsz])
+        torch.argmax(logits, dim=-1, out=self._tok[:bsz])
+        return logits
 
     @torch.no_grad()
     def capture_graphs(self, batch_sizes: list[int], widths: list[int]) -> None:
-        """Capture the decode forward for each (batch size, block-table width), largest first, sharing one memory
-        pool. Inputs live in static buffers that `run` fills before a replay."""
-        bmax, dev = max(batch_sizes), self.device
-        self._static = {
-            "ids": torch.zeros(bmax, dtype=torch.int64, device=dev),
-            "pos": torch.zeros(bmax, dtype=torch.int64, device=dev),
-            "slots": torch.zeros(bmax, dtype=torch.int64, device=dev),  # slot 0: the padding block
-            "cl": torch.ones(bmax, dtype=torch.int32, device=dev),
-            "idx": torch.arange(bmax, dtype=torch.int64, device=dev),
-            "bt": {m: torch.zeros((bmax, m), dtype=torch.int32, device=dev) for m in widths},
-        }
-        # Pinned host twins of the inputs: the copies before a replay are asynchronous (pageable ones stall the host).
-        self._pinned = [{k: (v.cpu().pin_memory() if torch.is_tensor(v) else {m: t.cpu().pin_memory() for m, t in v.items()})
-                         for k, v in self._static.items() if k != "idx"} for _ in range(2)]
+        """Capture the decode step for each (batch size, block-table width), largest first, sharing one memory pool."""
+        bmax, wmax, dev = max(batch_sizes), max(widths), self.device
+        self._i64 = torch.zeros(4 * bmax, dtype=torch.int64, device=dev)
+        self._i32 = torch.zeros(bmax * (1 + wmax), dtype=torch.int32, device=dev)
+        self._rows = torch.arange(bmax, dtype=torch.int64, device=dev)
+        self._tok = torch.zeros(bmax, dtype=torch.int64, device=dev)
+        # Pinned host twins, two of each: the next step fills one while the other may still be copying.
+        self._pinned = [(torch.zeros(4 * bmax, dtype=torch.int64).pin_memory(),
+                         torch.zeros(bmax * (1 + wmax), dtype=torch.int32).pin_memory()) for _ in range(2)]
         self._flip = 0
         pool = torch.cuda.graph_pool_handle()
         self._logits = torch.empty((bmax, self.vocab_size), dtype=self.dtype, device=dev)
-        empty32 = torch.zeros(1, dtype=torch.int32, device=dev)
         for m in sorted(widths, reverse=True):
             for bsz in sorted(batch_sizes, reverse=True):
-                s = self._static
-                sb = StepBatch(s["ids"][:bsz], s["pos"][:bsz], s["slots"][:bsz], bsz, s["bt"][m][:bsz], s["cl"][:bsz],
-                               empty32, empty32, s["slots"][:0], [], s["idx"][:bsz], every_row=True)
-                self.forward(sb, self._logits[:bsz])  # warm-up: kernels compiled, workspaces sized, outside capture
+                self._fill(bsz, m, None)  # a valid step: padding rows throughout
+                self._graph_step(bsz, m)  # warm-up: kernels compiled, workspaces sized, outside capture
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = self.forward(sb, self._logits[:bsz])
+                    out = self._graph_step(bsz, m)
                 self.graphs[(bsz, m)] = (g, out)
-        self.graph_batch_sizes = sorted(batch_sizes)
+        self.graph_batch_sizes, self._widths = sorted(batch_sizes), sorted(widths)
         torch.cuda.synchronize()
 
+    def _fill(self, bsz: int, m: int, hb: HostBatch | None, src=None) -> None:
+        """Write the step's inputs into the pinned twins and copy them to the graph's buffers (asynchronously).
+        Padding rows: token 0 at position 0 written into the padding block (slot 0), a context of one token. Block
+        table entries past a row's context are never read (the decode kernels mask their loads by the context), so
+        only the padding rows' first entry is set."""
+        self._flip ^= 1
+        h64, h32 = self._pinned[self._flip]
+        a, b = h64.numpy(), h32.numpy()
+        n = hb.n_decode if hb is not None else 0
+        a[:4 * bsz] = 0
+        a[3 * bsz:4 * bsz] = -1
+        b[:bsz] = 1
+        bt = b[bsz:bsz + bsz * m].reshape(bsz, m)
+        bt[n:, 0] = 0
+        if n:
+            a[:n], a[bsz:bsz + n], a[2 * bsz:2 * bsz + n] = hb.ids, hb.pos, hb.slots
+            if src is not None:
+                a[3 * bsz:3 * bsz + n] = src
+            b[:n] = hb.context_lens
+            bt[:n, :hb.block_tables.shape[1]] = hb.block_tables
+        self._i64[:4 * bsz].copy_(h64[:4 * bsz], non_blocking=True)
+        self._i32[:bsz * (1 + m)].copy_(h32[:bsz * (1 + m)], non_blocking=True)
+
     @torch.no_grad()
-    def run(self, hb: HostBatch, patch=None) -> torch.Tensor:
-        """The step's logits. `patch` = (rows, src, tokens): input ids[rows] are tokens[src], a previous step's
-        output still on the device (the engine's overlapped steps)."""
+    def run(self, hb: HostBatch, src=None) -> torch.Tensor:
+        """The step's logits. `src`: for each decode row, the row of `self.tokens` (a previous step's sampled tokens,
+        still on the device) that is its input token, or -1 (its token is hb.ids[row])."""
         key = self.graph_key(hb)
         if key is None:
+            self._replayed = 0
             b = hb.to_device(self.device)
-            if patch is not None:
-                _patch_ids(b.input_ids, patch)
+            if src is not None and (np.asarray(src) >= 0).any():
+                _patch_ids(b.input_ids, src, self.tokens)
             return self.forward(b)
         bsz, m = key
-        n = hb.n_decode
-        self._flip ^= 1  # two sets of pinned twins: the next step fills one while the other may still be copying
-        s, h = self._static, self._pinned[self._flip]
-        # Fill the pinned twins (padding rows: token 0 at position 0 writing into the padding block, a context of
-        # one token), then copy the whole captured batch asynchronously.
-        for name, values, pad in (("ids", hb.ids, 0), ("pos", hb.pos, 0), ("slots", hb.slots, 0),
-                                  ("cl", hb.context_lens, 1)):
-            host = h[name].numpy()
-            host[:n] = values
-            host[n:bsz] = pad
-            s[name][:bsz].copy_(h[name][:bsz], non_blocking=True)
-        bt = h["bt"][m].numpy()
-        bt[:bsz] = 0
-        bt[:n, :hb.block_tables.shape[1]] = hb.block_tables
-        s["bt"][m][:bsz].copy_(h["bt"][m][:bsz], non_blocking=True)
-        if patch is not None:
-            _patch_ids(s["ids"], patch)
+        self._fill(bsz, m, hb, src)
         g, out = self.graphs[key]
         g.replay()
-        return out[:n]
+        self._replayed = hb.n_decode
+        return out[:hb.n_decode]
 
 
 def _to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -198,8 +241,10 @@ def _to_device(x: torch.Tensor, device) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True)
 
 
-def _patch_ids(ids_N: torch.Tensor, patch) -> None:
-    rows, src, tokens = patch
+def _patch_ids(ids_N: torch.Tensor, src, tokens: torch.Tensor) -> None:
+    """ids_N[i] = tokens[src[i]] for the decode rows i with src[i] >= 0 (an eager step's inputs)."""
+    src = np.asarray(src, dtype=np.int64)
+    rows = np.flatnonzero(src >= 0)
     dev = ids_N.device
-    ids_N.index_copy_(0, _to_device(torch.tensor(rows, dtype=torch.int64), dev),
-                      tokens.index_select(0, _to_device(torch.tensor(src, dtype=torch.int64), dev)))
+    ids_N.index_copy_(0, _to_device(torch.from_numpy(rows), dev),
+                      tokens.index_select(0, _to_device(torch.from_numpy(src[rows]), dev)))

@@ -78,7 +78,7 @@ class Request:
         return len(self.token_ids) - self.num_prompt
 
 
-@dataclass
+@dataclass(slots=True)
 class Scheduled:
     """One request's share of a step: tokens [start, start + n) of its token_ids; `sample` when the chunk reaches
     the last known token, so the step yields the request's next token."""
@@ -140,6 +140,11 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this step
                 continue
             remaining = len(req.token_ids) - req.num_computed
+            if remaining == 1 and req.num_computed < len(req.blocks) * bs:  # a decode with room in its last block
+                decodes.append(Scheduled(req, req.num_computed, 1))
+                scheduled.add(id(req))
+                budget -= 1
+                continue
             n = min(remaining, budget)
             upto = req.num_computed + n
             need = 0 if upto <= len(req.blocks) * bs else self._blocks_needed(req, upto)
