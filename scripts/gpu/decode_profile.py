@@ -63,7 +63,10 @@ def main() -> None:
         step_s.append(time.perf_counter() - t0)
     decode = step_s[2:]
     hb = next(h for h in reversed(seen) if h.n_decode == len(h.ids) == batch)
-    hb.ids = np.where(hb.ids < 0, 0, hb.ids)  # tokens the overlapped step patched in on the device: any valid id
+    # Tokens the overlapped step patched in on the device: random ids, not one id for every row (rows with one token
+    # route alike, so a replay of a MoE model would read a few experts instead of the engine's spread).
+    ids_rng = np.random.default_rng(1)
+    hb.ids = np.where(hb.ids < 0, ids_rng.integers(1, engine.args.vocab_size, size=len(hb.ids)), hb.ids)
     runner.run = run
     key = runner.graph_key(hb)
     out = {"model": ns.model, "batch": batch, "input": prompt_len, "short": opts["--short"],

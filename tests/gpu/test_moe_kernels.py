@@ -136,7 +136,8 @@ def _check_layout(sorted_P, tile_T, expert_S, E, block_m):
 # (N, K, n_shared, E_total, block_m, skew)
 ALIGN_CASES = [(1, 2, 1, 9, 16, False), (1, 8, 1, 257, 16, False), (3, 6, 2, 66, 16, False),
                (17, 6, 2, 66, 32, True), (64, 6, 0, 66, 16, False), (200, 6, 2, 66, 64, False),
-               (300, 8, 1, 257, 16, True), (100, 1, 0, 2, 16, True), (40, 3, 3, 9, 128, False)]
+               (300, 8, 1, 257, 16, True), (100, 1, 0, 2, 16, True), (40, 3, 3, 9, 128, False),
+               (512, 6, 2, 66, 16, False)]
 
 
 @pytest.mark.parametrize("N,K,n_shared,E,block_m,skew", ALIGN_CASES)

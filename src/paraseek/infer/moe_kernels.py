@@ -11,14 +11,13 @@ in fp32, which is how they are tested without a GPU; on the GPU they take bf16 a
     reductions. Top-k is K rounds of argmax (the max, then the lowest expert index holding it), which yields the
     experts in descending order of the choice with ties going to the lower index; groups are kept the same way.
 
-  align_slots: a single program (the whole routing of a decode step is a few thousand slots at most) does the
-    counting sort in three passes over registers, no atomics, so the layout is deterministic: counts per expert
-    (tl.histogram), the padded offsets (tl.cumsum), then each slot's position = its expert's offset + the
-    expert's slots in earlier chunks + the earlier slots of the same expert in its own chunk (an exclusive cumsum
-    of the chunk's [slots, E] one-hot matrix), and finally each tile's expert (the last expert whose first tile is
-    at or before it) and the padding sentinels. Slot positions and sentinel positions are disjoint, so no store
-    order matters. Its loop runs S / chunk times (chunk = 16K / E padded: 128 slots at E = 66, 32 at E = 257):
-    microseconds at decode, and it grows linearly with the slots, one reason larger steps take the grouped path.
+  align_slots: the counting sort with no atomics, so the layout is deterministic, one program per chunk of slots
+    (and of tiles): each program counts every slot's expert (tl.histogram over all slots, and over the slots before
+    its chunk), takes the padded offsets (tl.cumsum), places each slot of its chunk at its expert's offset + the
+    expert's slots before the chunk + the earlier slots of the same expert in the chunk (an exclusive cumsum of the
+    chunk's [slots, E] one-hot matrix), and writes its tiles' experts (the last expert whose first tile is at or
+    before the tile) and their padding sentinels. Slot positions and sentinel positions are disjoint, so no store
+    order matters across programs.
 
   gate_up and down (vLLM's fused_moe design: expert-major tiles over the sorted slots, one weight block read per
     tile instead of per token): grid (tiles, column blocks); a program reads its tile's expert and returns at once
@@ -151,50 +150,51 @@ def _slot_experts(idx_ptr, stride_i, s, mask_s, K: tl.constexpr, KS: tl.constexp
 def _align_kernel(idx_ptr, sorted_ptr, tile_ptr, stride_i, S, E, E_ROUTED, N_TILES,
                   K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                   COUNT_CHUNK: tl.constexpr, CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
+    pid = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     valid_e = offs_e < E
 
-    # Pass 1: slots per expert.
+    # Pass 1 (every program): slots per expert over all S, and the slots per expert before this program's chunk.
+    mine = pid * CHUNK
     counts_E = tl.zeros([BLOCK_E], tl.int32)
+    run_E = tl.zeros([BLOCK_E], tl.int32)
     for s0 in range(0, S, COUNT_CHUNK):
         s = s0 + tl.arange(0, COUNT_CHUNK)
         mask_s = s < S
-        e_C = _slot_experts(idx_ptr, stride_i, s, mask_s, K, KS, E_ROUTED)
-        counts_E += tl.histogram(tl.where(mask_s, e_C, 0), BLOCK_E, mask=mask_s)
+        e_C = tl.where(mask_s, _slot_experts(idx_ptr, stride_i, s, mask_s, K, KS, E_ROUTED), 0)
+        counts_E += tl.histogram(e_C, BLOCK_E, mask=mask_s)
+        run_E += tl.histogram(e_C, BLOCK_E, mask=mask_s & (s < mine))
     padded_E = (counts_E + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     start_E = tl.cumsum(padded_E, axis=0) - padded_E  # first position of each expert
     total_tiles = tl.sum(padded_E, axis=0) // BLOCK_M
 
-    # Pass 2: each slot to its position = its expert's start + the expert's slots in earlier chunks (run_E) + the
-    # expert's slots earlier in this chunk (an exclusive cumsum of the one-hot matrix down the chunk).
-    run_E = tl.zeros([BLOCK_E], tl.int32)
-    for s0 in range(0, S, CHUNK):
-        s = s0 + tl.arange(0, CHUNK)
-        mask_s = s < S
-        e_C = _slot_experts(idx_ptr, stride_i, s, mask_s, K, KS, E_ROUTED)
-        hot_CE = (e_C[:, None] == offs_e[None, :]).to(tl.int32)  # masked slots (-1) match no expert
-        before_CE = tl.cumsum(hot_CE, axis=0) - hot_CE
-        pos_C = tl.sum(tl.where(hot_CE != 0, (start_E + run_E)[None, :] + before_CE, 0), axis=1)
-        tl.store(sorted_ptr + pos_C, s, mask=mask_s)
-        run_E += tl.sum(hot_CE, axis=0)
+    # Pass 2: each slot of this program's chunk to its position = its expert's start + the expert's slots before the
+    # chunk (run_E) + the expert's slots earlier in the chunk (an exclusive cumsum of the one-hot matrix down the chunk).
+    s = mine + tl.arange(0, CHUNK)
+    mask_s = s < S
+    e_C = _slot_experts(idx_ptr, stride_i, s, mask_s, K, KS, E_ROUTED)
+    hot_CE = (e_C[:, None] == offs_e[None, :]).to(tl.int32)  # masked slots (-1) match no expert
+    before_CE = tl.cumsum(hot_CE, axis=0) - hot_CE
+    pos_C = tl.sum(tl.where(hot_CE != 0, (start_E + run_E)[None, :] + before_CE, 0), axis=1)
+    tl.store(sorted_ptr + pos_C, s, mask=mask_s)
 
-    # Pass 3: the expert of every tile (-1 past the last) and the sentinel S at every position without a slot.
+    # Pass 3: this program's share of tiles: each tile's expert (-1 past the last) and the sentinel S at every
+    # position of it without a slot.
     tile_start_E = start_E // BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
-    for t0 in range(0, N_TILES, TILE_CHUNK):
-        t = t0 + tl.arange(0, TILE_CHUNK)
-        mask_t = t < N_TILES
-        live_t = t < total_tiles
-        # An empty expert starts where the next one does, so the last expert starting at or before t is t's own.
-        e_T = tl.sum(((tile_start_E[None, :] <= t[:, None]) & valid_e[None, :]).to(tl.int32), axis=1) - 1
-        e_T = tl.where(live_t, e_T, -1)
-        tl.store(tile_ptr + t, e_T, mask=mask_t)
-        hot_TE = offs_e[None, :] == e_T[:, None]
-        start_T = tl.sum(tl.where(hot_TE, start_E[None, :], 0), axis=1)
-        count_T = tl.sum(tl.where(hot_TE, counts_E[None, :], 0), axis=1)
-        pos_TM = t[:, None] * BLOCK_M + offs_m[None, :]
-        pad_TM = (pos_TM - start_T[:, None] >= count_T[:, None]) | ~live_t[:, None]
-        tl.store(sorted_ptr + pos_TM, S + tl.zeros([TILE_CHUNK, BLOCK_M], tl.int32), mask=mask_t[:, None] & pad_TM)
+    t = pid * TILE_CHUNK + tl.arange(0, TILE_CHUNK)
+    mask_t = t < N_TILES
+    live_t = t < total_tiles
+    # An empty expert starts where the next one does, so the last expert starting at or before t is t's own.
+    e_T = tl.sum(((tile_start_E[None, :] <= t[:, None]) & valid_e[None, :]).to(tl.int32), axis=1) - 1
+    e_T = tl.where(live_t, e_T, -1)
+    tl.store(tile_ptr + t, e_T, mask=mask_t)
+    hot_TE = offs_e[None, :] == e_T[:, None]
+    start_T = tl.sum(tl.where(hot_TE, start_E[None, :], 0), axis=1)
+    count_T = tl.sum(tl.where(hot_TE, counts_E[None, :], 0), axis=1)
+    pos_TM = t[:, None] * BLOCK_M + offs_m[None, :]
+    pad_TM = (pos_TM - start_T[:, None] >= count_T[:, None]) | ~live_t[:, None]
+    tl.store(sorted_ptr + pos_TM, S + tl.zeros([TILE_CHUNK, BLOCK_M], tl.int32), mask=mask_t[:, None] & pad_TM)
 
 
 def align_slots(idx_NK: torch.Tensor, n_shared: int, n_experts: int,
@@ -210,18 +210,18 @@ def align_slots(idx_NK: torch.Tensor, n_shared: int, n_experts: int,
         return sorted_P, tile_expert_T
     idx_NK = idx_NK if idx_NK.stride(-1) == 1 else idx_NK.contiguous()
     block_e = _pow2(n_experts)
-    # The [chunk, E] matrices of passes 2 and 3 stay at 16K elements (64 registers a thread at 8 warps); the
-    # histogram of pass 1 is 1-D and takes longer chunks. One program's loop is latency-bound, so fewer, longer
-    # chunks are what makes it faster.
-    # Decode has few slots: chunks no longer than the slots (and tiles) there are, or the program spends its time on
-    # masked lanes (at S = 8 slots of 66 experts, chunks of 1024 and 128 took 21.7 us a layer on an H200).
-    chunk = max(16, min(256, 16384 // block_e, _pow2(S)))
-    tile_chunk = max(16, min(256, 16384 // max(block_e, block_m), _pow2(T)))
-    warps = 8 if max(chunk, tile_chunk) * block_e >= 8192 else 4
-    _align_kernel[(1,)](idx_NK, sorted_P, tile_expert_T, idx_NK.stride(0), S, n_experts,
-                        n_experts - n_shared, T, K=K, KS=KS, BLOCK_M=block_m, BLOCK_E=block_e,
-                        COUNT_CHUNK=max(16, min(1024, _pow2(S))), CHUNK=chunk, TILE_CHUNK=tile_chunk,
-                        num_warps=warps)
+    # One program per chunk of slots (and per chunk of tiles), all at once: each counts every slot's expert (a
+    # histogram of a few thousand slots at most, cheap) and places its own chunk. The single program this replaced
+    # placed the chunks one after another: 3.4 us a layer at batch 1 but 37 us at batch 64 of DeepSeek-V2-Lite on an
+    # H200 (benchmarks/2026-12-04/v2lite-decode-profile-b64-serial-align.txt). The [chunk, E] one-hot matrices stay at
+    # 8K elements or fewer.
+    chunk = max(16, min(64, 8192 // block_e, _pow2(S)))
+    tile_chunk = max(16, min(64, 8192 // max(block_e, block_m), _pow2(T)))
+    grid = max(triton.cdiv(S, chunk), triton.cdiv(T, tile_chunk))
+    _align_kernel[(grid,)](idx_NK, sorted_P, tile_expert_T, idx_NK.stride(0), S, n_experts,
+                           n_experts - n_shared, T, K=K, KS=KS, BLOCK_M=block_m, BLOCK_E=block_e,
+                           COUNT_CHUNK=max(16, min(1024, _pow2(S))), CHUNK=chunk, TILE_CHUNK=tile_chunk,
+                           num_warps=4)
     return sorted_P, tile_expert_T
 
 
