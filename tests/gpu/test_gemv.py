@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def test_gemv_matches_float64(M, N, K, bias, cfg, dtype, nan_workspace):
 
 @pytest.mark.parametrize("split", [1, 4])
 def test_gemv_every_row_count(split, nan_workspace):
-    """M = 1..16 rows of one shape (x's rows past M re-read row M - 1 and must never be stored)."""
+    """M = 1..16 rows of one shape (x's rows past M are masked off, their columns of the product never stored)."""
     N, K = 40, 96
     cfg = _cfg(16, 16, split=split)
     for M in range(1, 17):
@@ -219,7 +220,7 @@ def test_linear_keeps_f_linear_everywhere_else(case, table, spy):
 
 
 def test_packaged_config_file_is_well_formed():
-    """gemv_configs.json (package data): GPU -> "N=..,K=.." -> source and configs by row bucket, each config valid,
+    """gemv_configs.json (shipped as package data): GPU -> "N=..,K=.." -> source and configs by row bucket, each config valid,
     and the file is what format_config_file writes for its own contents."""
     text = gemv.CONFIG_FILE.read_text()
     data = json.loads(text)
@@ -232,6 +233,8 @@ def test_packaged_config_file_is_well_formed():
                 assert int(bucket) in gemv.M_BUCKETS
                 assert gemv.check_config(cfg) == cfg
     assert gemv.format_config_file(data) == text
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert gemv.CONFIG_FILE.name in pyproject["tool"]["setuptools"]["package-data"]["paraseek.infer"]
     sample = {"GPU A": {gemv.config_key(8, 16): {"source": "s", "configs": {"16": CFG_4, "2": CFG_1}}}}
     assert json.loads(gemv.format_config_file(sample)) == sample
 

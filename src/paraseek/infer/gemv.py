@@ -14,7 +14,7 @@ The kernel. Grid (cdiv(N, BLOCK_N), SPLIT_K): a program reads BLOCK_N rows of W 
 [BLOCK_N, BLOCK_K] tiles (each row contiguous in memory) and multiplies each tile with x's rows padded to 16 through
 tl.dot as w [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, 16] -- the weight as the wide operand and x as the 16-wide one, as
 cuBLAS's decode GEMMs do (tiles "128x8"); num_stages tiles of W are in flight per program (software pipelining).
-Rows past N re-read a valid row and are not stored, so the loads need no mask along N.
+W's rows past N re-read a valid row and are not stored, so W's loads need no mask along N.
 
 Why split-K. HBM delivers its rate only with enough bytes requested at once: by Little's law, 4.2 TB/s x about
 1 us of loaded latency is some 4 MB in flight over the chip, ~32 KB per SM of 132. A matrix with few rows has few
@@ -78,28 +78,28 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, K_SPLIT, stride_xm
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, 16)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows past N (of W) and past M (of x) re-read the last valid row: every load is in bounds without a mask on
-    # those dims, and their products are never stored.
+    # W's rows past N re-read row N - 1 (no mask on W's loads; those products are never stored). x's rows past M
+    # are masked instead: masked lanes read nothing, so at M = 1 a tile of x costs one row, not 16.
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    rows_m = tl.minimum(offs_m, M - 1)
+    mask_m = offs_m < M
     k_start = pid_k * K_SPLIT  # K_SPLIT is a multiple of BLOCK_K
     k_end = tl.minimum(k_start + K_SPLIT, K)
     w_tile = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    x_tile = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    x_tile = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     acc_NM = tl.zeros([BLOCK_N, 16], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:  # K % BLOCK_K == 0: every tile is whole
             w_NK = tl.load(w_tile)
-            x_MK = tl.load(x_tile)
+            x_MK = tl.load(x_tile, mask=mask_m[:, None], other=0.0)
         else:  # only the tile that crosses K is partial (a range's end inside K is a multiple of BLOCK_K)
             mask_k = k0 + offs_k < K
             w_NK = tl.load(w_tile, mask=mask_k[None, :], other=0.0)
-            x_MK = tl.load(x_tile, mask=mask_k[None, :], other=0.0)
+            x_MK = tl.load(x_tile, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc_NM = tl.dot(w_NK, tl.trans(x_MK), acc_NM, input_precision=DOT_PREC)
         w_tile += BLOCK_K
         x_tile += BLOCK_K
 
-    mask_NM = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    mask_NM = (offs_n < N)[:, None] & mask_m[None, :]
     if SPLIT:  # this K range's partial sums, [SPLIT_K, M, N] fp32
         tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc_NM, mask=mask_NM)
     else:
