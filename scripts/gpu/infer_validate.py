@@ -6,7 +6,8 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
 Groups: tests, llama8b, llama8b_latency, llama8b_tput (greedy and sampled), qwen, v2lite, v3cut (V3's first 6
 layers), v3deep (V3's architecture at 27 layers of reduced width), profiles (scripts/gpu/decode_profile.py per case,
-this code and .baseline/'s), tune (the fused-MoE configs), stress, hf (HF generate on the same requests, 8B and 1.5B;
+this code and .baseline/'s), tune (the fused-MoE configs), gemv (the decode GEMV's configs), attn_tune (the
+paged decode attention's launch configs), stress, hf (HF generate on the same requests, 8B and 1.5B;
 hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under `paraseek bench-serve`,
 then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the same with
 --max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile
@@ -163,6 +164,25 @@ def group_tune(out: Path, anchors: str) -> list[dict]:
     (out / "tune.txt").write_text(text)
     (out / "moe_configs.json").write_text((ROOT / "src/paraseek/infer/moe_configs.json").read_text())
     return [{"name": "tune", "rc": rc, "lines": text.strip().splitlines()[-30:]}]
+
+
+def group_gemv(out: Path, anchors: str) -> list[dict]:
+    """The decode GEMV's configs against cuBLAS at one row ($GEMV_MODELS, default the 8B, V2-Lite and V3 shapes):
+    scripts/gpu/bench_gemv.py --tune --write, then the written src/paraseek/infer/gemv_configs.json."""
+    models = os.environ.get("GEMV_MODELS", "r1-distill-llama-8b deepseek-v2-lite deepseek-v3").split()
+    rc, text = sh([PY, "scripts/gpu/bench_gemv.py", "--models", *models, "--m", *os.environ.get("GEMV_M", "1").split(),
+                   "--tune", "--write"], 420)
+    (out / "gemv-tune.txt").write_text(text)
+    cfg = ROOT / "src/paraseek/infer/gemv_configs.json"
+    (out / "gemv_configs.json").write_text(cfg.read_text())
+    return [{"name": "gemv tune", "rc": rc, "lines": text.strip().splitlines()[-40:]}]
+
+
+def group_attn_tune(out: Path, anchors: str) -> list[dict]:
+    """The paged decode attention kernels' launch configs (scripts/gpu/tune_decode_attention.py --quick)."""
+    rc, text = sh([PY, "scripts/gpu/tune_decode_attention.py", "--quick"], 300)
+    (out / "attn-tune.txt").write_text(text)
+    return [{"name": "attention tune", "rc": rc, "lines": [l for l in text.splitlines() if l.startswith("TUNE")]}]
 
 
 def group_stress(out: Path, anchors: str) -> list[dict]:
