@@ -31,6 +31,25 @@ def register(subparsers) -> None:
     p.add_argument("--mode", default="train", help="train (default) or infer")
     p.add_argument("--weight-dtype", help="inference weights: bf16 (the default where the GPU has it), fp16 (the "
                    "default on V100 and T4) or fp8")
+    g = p.add_argument_group("inference (--mode infer)", "The KV capacity at --seq-len tokens per sequence (the "
+                             "engine's --max-model-len) and the engine's speed, priced kernel by kernel "
+                             "(docs/planner.md, \"Inference speed\").")
+    g.add_argument("--max-num-seqs", type=int, help="the engine's --max-num-seqs (default: what `paraseek generate` "
+                   "and `bench-infer` use on this GPU: 1024 on GPUs of 70 GiB or more other than A100, else 256; "
+                   "`paraseek serve` runs 256)")
+    g.add_argument("--max-batched-tokens", type=int, help="the engine's --max-batched-tokens (default: 16384 where "
+                   "--max-num-seqs defaults to 1024, else 8192)")
+    g.add_argument("--context-len", type=int, help="decode speed at this many tokens of context per sequence "
+                   "(default: --seq-len)")
+    g.add_argument("--batch-sizes", default="1,8,64,256", metavar="N,N,...",
+                   help="decode speed at these batches of sequences (default 1,8,64,256; --global-batch-size is "
+                   "added)")
+    g.add_argument("--prompt-len", type=int, help="prefill speed and time to first token of prompts of this many "
+                   "tokens (default 128)")
+    g.add_argument("--num-requests", type=int, help="offline throughput as `bench-infer` runs it: requests (default "
+                   "1000; 0 = none)")
+    g.add_argument("--input-len", help="offline: prompt tokens, N or LO:HI uniform (default 64:1024)")
+    g.add_argument("--output-len", help="offline: new tokens, N or LO:HI uniform (default 64:512)")
     p.add_argument("--compile", default="auto", help="train plans: auto (default: compiled wherever `paraseek train "
                    "--compile` runs the plan), true (compiled only) or false (eager only)")
     p.add_argument("--top", type=int, default=10, help="plans to show (0 = all; default 10)")
@@ -84,7 +103,6 @@ def _counts(spec: str) -> list[int]:
 def run_plan(ns: argparse.Namespace) -> int:
     from paraseek.models.args import resolve_model
     from paraseek.planner import report
-    from paraseek.planner.infer import WEIGHT_BYTES, plan_inference
     from paraseek.planner.search import scaling, search
 
     if ns.mode not in ("train", "infer"):
@@ -107,23 +125,14 @@ def run_plan(ns: argparse.Namespace) -> int:
     if ns.global_batch_size is not None and ns.global_batch_size <= 0:
         raise UserError(f"--global-batch-size must be positive, got {ns.global_batch_size}")
 
+    infer_flags = ("max_num_seqs", "max_batched_tokens", "context_len", "prompt_len", "num_requests", "input_len",
+                   "output_len")
+    if ns.mode == "train":
+        given = [f"--{f.replace('_', '-')}" for f in infer_flags if getattr(ns, f) is not None]
+        if given or ns.batch_sizes != "1,8,64,256":
+            raise UserError(f"{(given or ['--batch-sizes'])[0]} is for --mode infer")
     if ns.mode == "infer":
-        weight_dtype = ns.weight_dtype or ("bf16" if cluster.gpu.has_bf16 else "fp16")
-        if weight_dtype not in WEIGHT_BYTES:
-            raise UserError(f"--weight-dtype {weight_dtype!r}: expected {', '.join(WEIGHT_BYTES)}")
-        if weight_dtype == "bf16" and not cluster.gpu.has_bf16:
-            raise UserError(f"--weight-dtype bf16: {cluster.gpu.name} has no bf16; use --weight-dtype fp16")
-        if weight_dtype == "fp8" and not cluster.gpu.has_fp8:
-            raise UserError(f"--weight-dtype fp8: {cluster.gpu.name} has no float8 tensor cores (Ada and Hopper "
-                            f"GPUs do); use --weight-dtype {'bf16' if cluster.gpu.has_bf16 else 'fp16'}")
-        if ns.seq_len > args.max_seq_len:
-            raise UserError(f"--seq-len {ns.seq_len} exceeds the model's max_position_embeddings {args.max_seq_len}")
-        rows = plan_inference(args, cluster, ns.seq_len, ns.global_batch_size, weight_dtype)
-        if ns.json:
-            print(json.dumps(report.infer_json(ns.model, cluster, ns.seq_len, rows, weight_dtype), indent=2))
-        else:
-            report.print_infer(ns.model, cluster, ns.seq_len, rows, args.max_seq_len, weight_dtype)
-        return 0
+        return _run_infer(ns, args, cluster)
 
     if ns.global_batch_size is None:
         raise UserError("--global-batch-size is required for training plans (sequences per optimizer step)")
@@ -148,4 +157,64 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(json.dumps(report.search_json(res, ns.top), indent=2))
     else:
         report.print_search(res, ns.top)
+    return 0
+
+
+def _run_infer(ns: argparse.Namespace, args, cluster) -> int:
+    from paraseek.errors import parse_range
+    from paraseek.planner import infer_speed, report
+    from paraseek.planner.infer import WEIGHT_BYTES, engine_defaults, plan_inference
+
+    weight_dtype = ns.weight_dtype or ("bf16" if cluster.gpu.has_bf16 else "fp16")
+    if weight_dtype not in WEIGHT_BYTES:
+        raise UserError(f"--weight-dtype {weight_dtype!r}: expected {', '.join(WEIGHT_BYTES)}")
+    if weight_dtype == "bf16" and not cluster.gpu.has_bf16:
+        raise UserError(f"--weight-dtype bf16: {cluster.gpu.name} has no bf16; use --weight-dtype fp16")
+    if weight_dtype == "fp8" and not cluster.gpu.has_fp8:
+        raise UserError(f"--weight-dtype fp8: {cluster.gpu.name} has no float8 tensor cores (Ada and Hopper "
+                        f"GPUs do); use --weight-dtype {'bf16' if cluster.gpu.has_bf16 else 'fp16'}")
+    if ns.seq_len > args.max_seq_len:
+        raise UserError(f"--seq-len {ns.seq_len} exceeds the model's max_position_embeddings {args.max_seq_len}")
+    seqs, step_tokens = engine_defaults(cluster)
+    seqs = ns.max_num_seqs if ns.max_num_seqs is not None else seqs
+    step_tokens = ns.max_batched_tokens if ns.max_batched_tokens is not None else step_tokens
+    context = ns.context_len if ns.context_len is not None else ns.seq_len
+    prompt_len = ns.prompt_len if ns.prompt_len is not None else 128
+    requests = ns.num_requests if ns.num_requests is not None else 1000
+    for flag, value in (("--max-num-seqs", seqs), ("--max-batched-tokens", step_tokens), ("--context-len", context),
+                        ("--prompt-len", prompt_len)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if requests < 0:
+        raise UserError(f"--num-requests must be >= 0, got {requests}")
+    if context > ns.seq_len:
+        raise UserError(f"--context-len {context} is more than --seq-len {ns.seq_len} (the engine's --max-model-len)")
+    try:
+        batches = sorted({int(x) for x in ns.batch_sizes.split(",") if x.strip()} | (
+            {ns.global_batch_size} if ns.global_batch_size else set()))
+    except ValueError:
+        raise UserError(f"--batch-sizes {ns.batch_sizes!r}: expected comma-separated batch sizes such as 1,8,64") \
+            from None
+    if not batches or batches[0] < 1:
+        raise UserError(f"--batch-sizes {ns.batch_sizes!r}: give batch sizes >= 1")
+    workload = None
+    if requests:
+        (a_in, b_in), (a_out, b_out) = (parse_range(ns.input_len or "64:1024", "--input-len"),
+                                        parse_range(ns.output_len or "64:512", "--output-len"))
+        if b_in + b_out > ns.seq_len:
+            raise UserError(f"--input-len {ns.input_len or '64:1024'} with --output-len {ns.output_len or '64:512'} "
+                            f"needs up to {b_in + b_out:,} tokens per sequence, more than --seq-len {ns.seq_len:,}")
+        workload = infer_speed.Workload(requests, (a_in, b_in), (a_out, b_out))
+    rows = plan_inference(args, cluster, ns.seq_len, ns.global_batch_size, weight_dtype,
+                          max_batched_tokens=step_tokens, max_num_seqs=seqs)
+    wb = WEIGHT_BYTES[weight_dtype]
+    for r in rows:
+        if r.max_batch >= 1:  # weights and one sequence fit (an asked batch that does not is reported)
+            r.speed = infer_speed.predict(args, cluster, r.tp, wb, r.max_context, context_len=context,
+                                          batch_sizes=batches, prompt_len=prompt_len, workload=workload,
+                                          max_num_seqs=seqs, max_batched_tokens=step_tokens, replicas=r.replicas)
+    if ns.json:
+        print(json.dumps(report.infer_json(ns.model, cluster, ns.seq_len, rows, weight_dtype), indent=2))
+    else:
+        report.print_infer(ns.model, cluster, ns.seq_len, rows, args.max_seq_len, weight_dtype)
     return 0

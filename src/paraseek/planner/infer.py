@@ -9,9 +9,8 @@ attention output, the MLP's gate|up and its product; MoE: K routed copies of eac
 logits of max_num_seqs rows (a few copies: softmax, sort for top-p) -- and the rest is KV cache. KV cache per token
 per layer: 2 x n_kv_heads x head_dim (K and V, split over tp; replicated when tp > n_kv_heads) or, for MLA
 (DeepSeek-V2/V3), the compressed latent kv_lora_rank + the shared RoPE key qk_rope_head_dim (V2 paper sec. 2.1.2),
-which is not split by heads and so is held whole on every tp rank. Decode is priced as memory-bound reads of the
-weights it touches (only the experts some token in the batch routes to) and of the KV cache, or compute-bound if
-that is slower, plus two TP all-reduces per layer.
+which is not split by heads and so is held whole on every tp rank. Speed (decode steps, prefill, offline runs) is
+infer_speed.py's: the engine's kernels priced one by one at measured rates, its continuous batching replayed.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paraseek.models.args import ModelArgs
-from paraseek.planner.cost import collective
+from paraseek.planner import infer_speed
 from paraseek.planner.memory import ALLOCATOR_FRACTION, BF16, CUDA_CONTEXT, FP32, GiB, model_terms
 from paraseek.planner.plan import Cluster
 from paraseek.planner.search import divisors
@@ -27,6 +26,9 @@ from paraseek.planner.search import divisors
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # fp16: GPUs without bf16 (V100, T4), `--dtype float16` to serve
 # The engine's defaults (infer/engine.EngineConfig): the step's token budget, the decode batch, the memory share.
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION = 8192, 256, 0.9
+# `paraseek generate` and `bench-infer` (offline) on GPUs of at least 70 GiB other than A100: vLLM's offline
+# defaults (its LLM class: 1,024 sequences, 16,384 tokens a step); `serve` keeps MAX_NUM_SEQS.
+OFFLINE_LARGE_GPU_GIB, OFFLINE_MAX_NUM_SEQS, OFFLINE_MAX_BATCHED_TOKENS = 70, 1024, 16384
 # The sampler's peak per logit, in fp32 copies: the fp32 logits, top-k's and top-p's sorts (values and int64
 # indices), the softmax, the cumulative sum, the noise. 8 (32 B a logit) puts the KV pool within 0.1-1.8% of the
 # engine's on every shape of benchmarks/2026-12-04/bench-infer-fused-moe-all-shapes.json (4 left the 1.5B at 512
@@ -47,9 +49,17 @@ class InferPlan:
     max_batch: int  # sequences of seq_len that fit
     max_context: int  # tokens of one sequence that fit (not capped by max_position_embeddings)
     batch: int  # the batch the speed is predicted at (the asked one, or the largest that fits when none was asked)
-    decode_tokens_per_s_per_gpu: float
-    prefill_tokens_per_s_per_gpu: float
+    decode_tokens_per_s_per_gpu: float  # at `batch` sequences of seq_len tokens
+    prefill_tokens_per_s_per_gpu: float  # steps full of seq_len-token prompts (one prompt in chunks if longer)
     reason: str = ""  # why nothing (or not the asked batch) fits at this tp
+    speed: dict | None = None  # infer_speed.predict's report, when asked for
+
+
+def engine_defaults(c: Cluster) -> tuple[int, int]:
+    """(max_num_seqs, max_batched_tokens) that `paraseek generate` and `bench-infer` run with on these GPUs."""
+    if c.memory_gib >= OFFLINE_LARGE_GPU_GIB and not c.gpu.name.startswith("A100"):
+        return OFFLINE_MAX_NUM_SEQS, OFFLINE_MAX_BATCHED_TOKENS
+    return MAX_NUM_SEQS, MAX_BATCHED_TOKENS
 
 
 def kv_bytes_per_token(a: ModelArgs, tp: int) -> float:
@@ -133,24 +143,9 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
                          f"{workspace / GiB:.1f} GiB, {kv * seq_len / GiB:.3f} GiB per sequence)")
             out.append(ip)
             continue
-        rate = c.matmul_tflops * 1e12 * c.eff.linear
-        hbm = c.hbm_gbps * 1e9
-        # Decode step for b sequences at context seq_len: experts touched by at least one of b tokens.
-        touched = 0.0
-        for x in L:
-            if x.moe:
-                frac = 1 - (1 - a.n_activated_experts / a.n_routed_experts) ** b
-                touched += x.params_experts * frac / tp
-        read = wb * (dense + touched) + b * seq_len * kv
-        active = sum(x.active_split / tp + x.active_whole + x.active_experts / tp for x in L)
-        active += a.vocab_size * a.dim / tp  # the output head (tied or not)
-        attn = 2 * a.n_layers * seq_len * a.n_heads * (a.qk_head_dim + a.attn_v_head_dim) / tp
-        flops = b * (2 * active + attn)
-        comm = 2 * a.n_layers * collective(c, b * BF16 * a.dim, 1, tp, "all_reduce")
-        step = max(read / hbm, flops / rate) + comm
-        ip.decode_tokens_per_s_per_gpu = b / step / tp
-        # Prefill: compute-bound, causal attention over the prompt (half of the full score matrix).
-        prefill_flops = 2 * active + attn / 2
-        ip.prefill_tokens_per_s_per_gpu = rate / prefill_flops / tp
+        ip.decode_tokens_per_s_per_gpu = b / infer_speed.decode_step_seconds(a, c, tp, wb, b, seq_len,
+                                                                              max_num_seqs) / tp
+        ip.prefill_tokens_per_s_per_gpu = infer_speed.prefill_tokens_per_s(a, c, tp, wb, seq_len,
+                                                                           max_batched_tokens) / tp
         out.append(ip)
     return out

@@ -172,22 +172,43 @@ def print_search(res: SearchResult, top: int) -> None:
 
 
 # ---- inference ---------------------------------------------------------------------------------------------------
+def _sig(x: Any, digits: int = 5) -> Any:
+    """x with every float rounded to `digits` significant digits (for JSON a person reads too)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, dict):
+        return {k: _sig(v, digits) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_sig(v, digits) for v in x]
+    return x
+
+
 def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan],
                weight_dtype: str = "bf16") -> dict[str, Any]:
+    from paraseek.planner.infer_speed import terms
+
     fits = [r for r in rows if not r.reason]
     fits.sort(key=lambda r: -r.decode_tokens_per_s_per_gpu)
 
     def row(r: InferPlan) -> dict[str, Any]:
-        return {"tp": r.tp, "replicas": r.replicas, "weights_gib_per_gpu": round(r.weights_gib, 3),
-                "kv_cache_bytes_per_token": r.kv_bytes_per_token, "kv_cache_free_gib": round(r.free_gib, 3),
-                "max_batch_at_seq_len": r.max_batch, "max_context_at_batch_1": r.max_context, "batch": r.batch,
-                "decode_tokens_per_s_per_gpu": round(r.decode_tokens_per_s_per_gpu, 1),
-                "prefill_tokens_per_s_per_gpu": round(r.prefill_tokens_per_s_per_gpu, 1)}
+        d = {"tp": r.tp, "replicas": r.replicas, "weights_gib_per_gpu": round(r.weights_gib, 3),
+             "kv_cache_bytes_per_token": r.kv_bytes_per_token, "kv_cache_free_gib": round(r.free_gib, 3),
+             "max_batch_at_seq_len": r.max_batch, "max_context_at_batch_1": r.max_context, "batch": r.batch,
+             "decode_tokens_per_s_per_gpu": round(r.decode_tokens_per_s_per_gpu, 1),
+             "prefill_tokens_per_s_per_gpu": round(r.prefill_tokens_per_s_per_gpu, 1)}
+        if r.speed is not None:
+            d["speed"] = _sig(r.speed)
+        return d
+
+    def rejected(r: InferPlan) -> dict[str, Any]:
+        d = {"tp": r.tp, "max_batch_at_seq_len": r.max_batch, "batch": r.batch, "reason": r.reason}
+        if r.speed is not None:
+            d["speed"] = _sig(r.speed)
+        return d
 
     return {"mode": "infer", "model": model, "hardware": hardware_dict(c), "seq_len": seq_len,
-            "weight_dtype": weight_dtype, "plans": [row(r) for r in fits],
-            "rejected": [{"tp": r.tp, "max_batch_at_seq_len": r.max_batch, "batch": r.batch, "reason": r.reason}
-                         for r in rows if r.reason]}
+            "weight_dtype": weight_dtype, "speed_terms": terms(), "plans": [row(r) for r in fits],
+            "rejected": [rejected(r) for r in rows if r.reason]}
 
 
 def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max_seq_len: int,
@@ -215,6 +236,34 @@ def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max
     for r in rows:
         if r.reason:
             con.print(f"  tp={r.tp}: {r.reason}", markup=False, highlight=False)
+    speeds = [r for r in rows if r.speed is not None]
+    if not speeds:
+        return
+    e = speeds[0].speed["engine"]
+    con.print(f"speed (predicted; engine at --max-num-seqs {e['max_num_seqs']} --max-batched-tokens "
+              f"{e['max_batched_tokens']}):", highlight=False)
+    for r in speeds:
+        s = r.speed
+        steps = ", ".join(f"{d['batch']}: {d['ms_per_step']:.2f} ms = {d['tokens_per_s']:,.0f} tok/s"
+                          + ("" if d["fits"] else " (does not fit)") for d in s["decode"])
+        pre = s["prefill"]
+        lines = [f"tp={r.tp}: batch 1 {s['batch1_ms_per_token']:.2f} ms/token; decode at context "
+                 f"{s['decode'][0]['context']:,} by batch: {steps}",
+                 f"  prefill of {pre['prompt_len']:,}-token prompts: TTFT {pre['ttft_ms']:.1f} ms alone, "
+                 f"{pre['tokens_per_s']:,.0f} prompt tok/s in full steps"]
+        if "offline" in s:
+            o = s["offline"]
+            head = (f"  offline, {o['requests']:,} requests, prompts U{tuple(o['input_len'])}, outputs "
+                    f"U{tuple(o['output_len'])}: ")
+            if "reason" in o:
+                lines.append(head + o["reason"])
+            else:
+                m = o["per_model_copy"]
+                lines.append(head + f"{o['output_tokens_per_s']:,.0f} output tok/s ({m['wall_s']:.1f} s, "
+                             f"{m['steps']:,} steps, {m['preemptions']} preemptions"
+                             + (f", {r.replicas} model copies" if r.replicas > 1 else "") + ")")
+        for line in lines:
+            con.print(line, markup=False, highlight=False)
 
 
 # ---- scaling -----------------------------------------------------------------------------------------------------
