@@ -139,3 +139,28 @@ def test_seeds_outside_64_bits_are_refused(seed):
         SamplingParams(seed=seed).validate()
     SamplingParams(seed=2**64 - 1).validate()
     torch.Generator().manual_seed(2**64 - 1)  # what the engine does with it
+
+
+def test_sampling_in_chunks_of_rows_gives_the_unchunked_tokens_and_logprobs(monkeypatch):
+    """A large batch is sampled a chunk of rows at a time (bounded memory): seeded rows draw the same tokens, and
+    log-probabilities and greedy rows come out as from one pass over all rows."""
+    import torch
+
+    from paraseek.infer import sampling
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50) * 3
+
+    def rows():
+        kinds = [dict(temperature=0.8, top_p=0.9), dict(temperature=0.0), dict(temperature=1.0, top_k=5),
+                 dict(temperature=0.7, min_p=0.1, logprobs=2)]
+        return [SampleRow(SamplingParams(**kinds[i % 4], seed=i), [], [], torch.Generator().manual_seed(100 + i))
+                for i in range(7)]
+
+    whole = sample(logits, rows())
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_LOGITS", 2 * 50)  # two rows a chunk
+    chunked = sample(logits, rows())
+    assert chunked.token_ids == whole.token_ids
+    assert chunked.logprobs == whole.logprobs and chunked.top_logprobs == whole.top_logprobs
+    on_device = sample(logits, rows(), to_host=False).token_ids
+    assert on_device.tolist() == whole.token_ids

@@ -354,6 +354,12 @@ class InferenceModel:
         fn = self.final_norm
         h_SE = ops.rms_norm(x_NE if b.every_row else x_NE[b.logits_idx], fn.w, fn.eps)
         if logits_out is not None and self.tp == 1:
+            if ops.kernels_on():  # the decode GEMV where it measured faster than cuBLAS (infer/gemv.py)
+                from paraseek.infer import gemv
+
+                cfg = gemv.dispatch_config(h_SE, self.head_w, None)
+                if cfg is not None:
+                    return gemv.gemv(h_SE, self.head_w, None, cfg, out=logits_out)
             return torch.mm(h_SE, self.head_w.t(), out=logits_out)
         logits_SV = self._gather_vocab(F.linear(h_SE, self.head_w))
         return logits_out.copy_(logits_SV) if logits_out is not None else logits_SV

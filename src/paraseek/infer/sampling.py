@@ -121,10 +121,36 @@ class Sampled:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+# Rows sampled at once: top-k and top-p sort whole rows of the vocabulary in fp32 (values and int64 indices), so a
+# batch of 1,024 rows of a 128K vocabulary would need several GiB at its peak; in chunks of at most this many logits
+# the peak stays near 32 B x SAMPLE_CHUNK_LOGITS whatever the batch.
+SAMPLE_CHUNK_LOGITS = 2**25
+
+
+def sample_rows_per_chunk(vocab_size: int) -> int:
+    return max(1, SAMPLE_CHUNK_LOGITS // vocab_size)
+
+
 def sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool = True) -> Sampled:
-    """One token per row. logits_BV are the model's logits (any float dtype); the work is done in fp32.
-    to_host=False: `token_ids` is the [B] int64 tensor on the logits' device (no wait for the step; no
-    log-probabilities)."""
+    """One token per row. logits_BV are the model's logits (any float dtype); the work is done in fp32, in chunks
+    of rows (SAMPLE_CHUNK_LOGITS) when the batch is large. to_host=False: `token_ids` is the [B] int64 tensor on the
+    logits' device (no wait for the step; no log-probabilities)."""
+    B, V = logits_BV.shape
+    step = sample_rows_per_chunk(V)
+    if B <= step or all(r.params.greedy and not r.params.masked and not r.params.penalized and
+                        r.params.logprobs is None for r in rows):
+        return _sample(logits_BV, rows, to_host)
+    parts = [_sample(logits_BV[i:i + step], rows[i:i + step], to_host) for i in range(0, B, step)]
+    if not to_host:
+        return Sampled(torch.cat([p.token_ids for p in parts]))
+    out = Sampled([t for p in parts for t in p.token_ids])
+    if any(p.logprobs is not None for p in parts):
+        out.logprobs = [x for p in parts for x in (p.logprobs or [None] * len(p.token_ids))]
+        out.top_logprobs = [x for p in parts for x in (p.top_logprobs or [[]] * len(p.token_ids))]
+    return out
+
+
+def _sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool) -> Sampled:
     B, V = logits_BV.shape
     dev = logits_BV.device
     x_BV = logits_BV.float()

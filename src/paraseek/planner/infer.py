@@ -34,6 +34,9 @@ OFFLINE_LARGE_GPU_GIB, OFFLINE_MAX_NUM_SEQS, OFFLINE_MAX_BATCHED_TOKENS = 70, 10
 # engine's on every shape of benchmarks/2026-12-04/bench-infer-fused-moe-all-shapes.json (4 left the 1.5B at 512
 # sequences and 25% of the GPU 6.6% above it).
 SAMPLER_LOGIT_COPIES = 8
+# infer/sampling.py's SAMPLE_CHUNK_LOGITS (copied: that module imports torch): the sampler takes the rows of a large
+# batch a chunk of at most this many logits at a time, so its peak is that chunk's copies, not the batch's.
+SAMPLE_CHUNK_LOGITS = 2**25
 WORKSPACE_MARGIN = 1.1  # the engine keeps 10% of the measured workspace in reserve
 # infer/kernels.py's split-KV partitions: PARTITION, MAX_PARTITIONS, and SHORT_PARTITION up to SHORT_CONTEXT tokens
 DECODE_PARTITION, DECODE_MAX_PARTITIONS, DECODE_SHORT_PARTITION, DECODE_SHORT_CONTEXT = 256, 64, 64, 512
@@ -87,7 +90,8 @@ def step_workspace_bytes(a: ModelArgs, tp: int, max_batched_tokens: int = MAX_BA
         moe = K * (2 * D + 3 * a.moe_inter_dim / tp) + 3 * a.moe_inter_dim * a.n_shared_experts / tp + K * D * 2
         mlp = max(mlp, moe)
     per_token = BF16 * (3 * D + proj + mlp)
-    logits = max_num_seqs * a.vocab_size * FP32 * SAMPLER_LOGIT_COPIES
+    rows = min(max_num_seqs, max(1, SAMPLE_CHUNK_LOGITS // a.vocab_size))  # sampled a chunk of rows at a time
+    logits = max_num_seqs * a.vocab_size * BF16 + rows * a.vocab_size * FP32 * SAMPLER_LOGIT_COPIES
     return max(max_batched_tokens * per_token, decode_workspace_bytes(a, tp, max_num_seqs, seq_len) + logits)
 
 

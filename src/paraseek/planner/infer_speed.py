@@ -22,6 +22,7 @@ each step priced as above.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from paraseek.models.args import ModelArgs
@@ -68,11 +69,17 @@ class KernelClass:
 #             64 x 2,048 decode (bench-infer-fused-moe-all-shapes.json: 11.64 ms a step) is priced 11.4. MLA's
 #             FLOPs (scores over C + R, values over C, per head) at 0.14 of the GEMM rate: the same docstring's
 #             H=128 at B=64 x 2K, 334 us for 36.5 GFLOP (compute-bound from 64 heads on: DeepSeek-V3's 128).
+#   gemv      the decode GEMV kernel (infer/gemv.py) on the shapes and row buckets infer/gemv_configs.json lists for
+#             the GPU (where it measured faster than cuBLAS): 4.2 us + bytes at 1.10 x 4,080 = 4.49 TB/s, the line
+#             through its one-row times in 2026-12-04/gemv-tune-h200.txt (the 8B's q|k|v 15.4 us for 50 MB and
+#             gate|up 56.5 us for 235 MB; its other 8 shapes, 34 MB to 1,051 MB, within 6% of the line). In the same
+#             file cuBLAS ran 4-21% slower on those shapes than the kernel.
 #   prefill_attn  flash attention's varlen forward over the chunks' causal pairs: not fitted (no prefill attention
 #             was timed alone; it is at most a few % of these workloads' prefill FLOPs): half of the GEMM rate.
 KERNELS = {
     "small": KernelClass(2.2e-6, hbm=1.0),
     "gemm": KernelClass(3.8e-6, hbm=1.07, gemm=0.80),
+    "gemv": KernelClass(4.2e-6, hbm=1.10, gemm=0.80),
     "moe": KernelClass(4.5e-6, hbm=1.11, gemm=0.36, serial=True),
     "grouped": KernelClass(10e-6, hbm=1.11, gemm=0.50, serial=True),
     "decode_gqa": KernelClass(8.6e-6, hbm=0.86),
@@ -140,7 +147,33 @@ class StepShape:
         return max(self.graph_rows, self.n_decode + sum(q for q, _ in self.chunks))
 
 
-def step_ops(a: ModelArgs, tp: int, wb: float, s: StepShape) -> list[tuple[str, str, int, int, float, float]]:
+@functools.lru_cache(maxsize=None)
+def gemv_shapes(gpu: str) -> frozenset:
+    """(N, K, row bucket) of the projections infer/gemv_configs.json gives the decode GEMV on this GPU type (the file is
+    keyed by CUDA device names, e.g. "NVIDIA H200" for "H200"); read as JSON, without torch."""
+    import json
+    from pathlib import Path
+
+    import paraseek.infer
+
+    path = Path(paraseek.infer.__file__).with_name("gemv_configs.json")
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    out = set()
+    for device, shapes in data.items():
+        if device.split()[-1] != gpu:
+            continue
+        for key, entry in shapes.items():
+            n, k = (int(part.split("=")[1]) for part in key.split(","))
+            out.update((n, k, int(bucket)) for bucket in entry.get("configs", {}))
+    return frozenset(out)
+
+
+def _bucket(rows: int) -> int:
+    return next(b for b in (1, 2, 4, 8, 16) if b >= rows)
+
+
+def step_ops(a: ModelArgs, tp: int, wb: float, s: StepShape,
+             gemv: frozenset = frozenset()) -> list[tuple[str, str, int, int, float, float]]:
     """(name, kernel class, kernels launched, host calls when eager, bytes, FLOPs) of every operation of a step on one
     tp rank, summed over the layers: infer/model.py's forward with the Triton kernels on. Decode: q|k|v (MLA: the
     fused input projection, the W_UK and W_UV products around the latent attention), rope + cache write, the
@@ -163,7 +196,8 @@ def step_ops(a: ModelArgs, tp: int, wb: float, s: StepShape) -> list[tuple[str, 
             ops.append((name, kind, launches * layers, host * layers, nbytes * layers, flops * layers))
 
     def linear(name, n_in, n_out, rows=N, layers=L, bias=False, host=1):
-        op(name, "gemm", 1, host, wb * n_in * n_out + B2 * rows * (n_in + n_out) + (B2 * n_out if bias else 0),
+        kind = "gemv" if rows <= 16 and wb == 2 and (n_out, n_in, _bucket(rows)) in gemv else "gemm"
+        op(name, kind, 1, host, wb * n_in * n_out + B2 * rows * (n_in + n_out) + (B2 * n_out if bias else 0),
            2 * rows * n_in * n_out, layers)
 
     # ---- attention ----
@@ -257,7 +291,7 @@ def step_seconds(a: ModelArgs, c, tp: int, wb: float, s: StepShape, running: int
     from paraseek.planner.cost import collective
 
     gpu = calls = 0.0
-    for name, kind, n, host, nbytes, flops in step_ops(a, tp, wb, s):
+    for name, kind, n, host, nbytes, flops in step_ops(a, tp, wb, s, gemv_shapes(c.gpu.name)):
         t = op_seconds(c, kind, nbytes, flops, n)
         gpu += t
         calls += host
