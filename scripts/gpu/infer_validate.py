@@ -76,9 +76,29 @@ def group_tests(out: Path, anchors: str) -> list[dict]:
 
 
 def group_llama8b(out: Path, anchors: str) -> list[dict]:
-    # The sweep's lengths are the serve group's (512 in, 128 out): its concurrency-32 point is the offline reference.
-    return [bench(out, "llama8b", LLAMA, "--concurrency", "1,8,32,64,128,256", "--concurrency-input", "512",
-                  "--concurrency-output", "128")]
+    """The 8B shape at default flags: batch-1 latency, the offline workload, decode at 1, 8, 64, 256 sequences (the
+    runs scripts/planner/infer_predictions.py predicts)."""
+    return [bench(out, "llama8b", LLAMA, "--concurrency", "1,8,64,256")]
+
+
+def group_llama8b_sampled(out: Path, anchors: str) -> list[dict]:
+    """The 8B offline workload sampled at temperature 0.8, top-p 0.95 (beside the greedy one of `llama8b`)."""
+    return [bench(out, "llama8b-sampled", LLAMA, "--workloads", "throughput", "--temperature", "0.8", "--top-p", "0.95")]
+
+
+def group_qwen_all(out: Path, anchors: str) -> list[dict]:
+    return [bench(out, "qwen", QWEN, "--concurrency", "1,8,64,256")]
+
+
+def group_v2lite_all(out: Path, anchors: str) -> list[dict]:
+    """V2-Lite at default flags (500 requests offline, decode at 1, 8, 64, 256), then 64 sequences of 2,048 + 128."""
+    return [bench(out, "v2lite", V2LITE, "--concurrency", "1,8,64,256", "--num-requests", "500"),
+            bench(out, "v2lite-2048", V2LITE, "--workloads", "concurrency", "--concurrency", "64",
+                  "--concurrency-input", "2048", "--concurrency-output", "128")]
+
+
+def group_v3cut_latency(out: Path, anchors: str) -> list[dict]:
+    return [bench(out, "v3cut-latency", "deepseek-v3", "--layers", "6", "--workloads", "latency")]
 
 
 def group_llama8b_latency(out: Path, anchors: str) -> list[dict]:

@@ -75,6 +75,39 @@ def test_bf16_graph_decode_logits_close_to_reference(cfg):
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 
+def test_decode_gemv_in_the_graph_gives_the_cublas_logits_on_a_measured_shape(monkeypatch):
+    """The 8B shape cut to one layer, bf16, batch 1 (every projection and the head have a GEMV config for the H200):
+    a captured decode step with the GEMV kernel against the same step through F.linear / torch.mm (no configs),
+    relative 1e-2, and the same greedy tokens over 16 steps."""
+    from paraseek.infer import gemv
+
+    if not gemv.gemv_config(gemv.device_name(torch.device("cuda")), 6144, 4096, 1):
+        pytest.skip("no decode GEMV config for this GPU")
+    cfg = dict(preset_config("deepseek-r1-distill-llama-8b"), num_hidden_layers=1)
+    prompt = _prompts(1, 1000, seed=3)
+
+    def run(with_gemv: bool):
+        if not with_gemv:
+            monkeypatch.setattr(gemv, "gemv_config", lambda *a, **k: None)
+        model = _model(cfg, torch.bfloat16)
+        engine = Engine(model, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_model_len=512), log=lambda *_: None)
+        engine.add_request("a", prompt[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        engine.step()
+        engine.flush()
+        hb, _ = engine._host_batch(engine.scheduler.schedule())
+        assert engine.runner.graph_key(hb) is not None
+        logits = engine.runner.run(hb).float().clone()
+        engine.abort("a")
+        tokens = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].output_ids
+        monkeypatch.undo()
+        return logits, tokens
+
+    got, got_tokens = run(True)
+    ref, ref_tokens = run(False)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert got_tokens == ref_tokens
+
+
 def test_preemption_and_prefix_cache_on_gpu_give_the_same_tokens():
     prompts = _prompts(16, GQA["vocab_size"], seed=2)
     prompts = [prompts[0][:64] + p for p in prompts]  # a shared 64-token prefix
