@@ -32,6 +32,7 @@ class StepBatch:
     lens: list[tuple[int, int]]  # (queries, keys) per prefill chunk
     logits_idx: torch.Tensor  # [n_sample] int64: rows whose logits are sampled
     every_row: bool = False  # logits_idx is every row in order (decode steps): no gather
+    lora: torch.Tensor | None = None  # [N] int64: each token's adapter slot, -1 the base (infer/lora.py); None: none
 
     @property
     def num_tokens(self) -> int:
@@ -44,32 +45,33 @@ class HostBatch:
 
     HEADER = 8
 
-    def __init__(self, ids, pos, slots, n_decode, block_tables, context_lens, lens, k_slots, logits_idx):
+    def __init__(self, ids, pos, slots, n_decode, block_tables, context_lens, lens, k_slots, logits_idx, lora=None):
         self.ids, self.pos, self.slots, self.n_decode = ids, pos, slots, n_decode
         self.block_tables, self.context_lens, self.lens = block_tables, context_lens, lens
         self.k_slots, self.logits_idx = k_slots, logits_idx
+        self.lora = lora  # [N] adapter slot per token (-1: the base model), or None when the engine has no adapters
 
     def pack(self) -> torch.Tensor:
         M = self.block_tables.shape[1] if self.n_decode else 0
         lens = np.asarray(self.lens, dtype=np.int64).reshape(-1)
         header = np.array([len(self.ids), self.n_decode, M, len(self.lens), len(self.k_slots), len(self.logits_idx),
-                           0, 0], dtype=np.int64)
+                           self.lora is not None, 0], dtype=np.int64)
         parts = [header, self.ids, self.pos, self.slots, self.block_tables.reshape(-1), self.context_lens, lens,
-                 self.k_slots, self.logits_idx]
+                 self.k_slots, self.logits_idx] + ([self.lora] if self.lora is not None else [])
         return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
 
     @classmethod
     def unpack(cls, flat: torch.Tensor) -> HostBatch:
         a = flat.numpy()
-        N, nd, M, npf, K, ns = (int(x) for x in a[:6])
+        N, nd, M, npf, K, ns, has_lora = (int(x) for x in a[:7])
         o = cls.HEADER
         take = []
-        for size in (N, N, N, nd * M, nd, 2 * npf, K, ns):
+        for size in (N, N, N, nd * M, nd, 2 * npf, K, ns) + ((N,) if has_lora else ()):
             take.append(a[o:o + size])
             o += size
-        ids, pos, slots, bt, cl, lens, k_slots, li = take
+        ids, pos, slots, bt, cl, lens, k_slots, li = take[:8]
         return cls(ids, pos, slots, nd, bt.reshape(nd, M), cl, [tuple(x) for x in lens.reshape(npf, 2).tolist()],
-                   k_slots, li)
+                   k_slots, li, take[8] if has_lora else None)
 
     def to_device(self, device) -> StepBatch:
         def t(x, dtype=torch.int64):
@@ -78,10 +80,11 @@ class HostBatch:
         cu_q = np.concatenate([[0], np.cumsum([q for q, _ in self.lens], dtype=np.int64)])
         cu_k = np.concatenate([[0], np.cumsum([k for _, k in self.lens], dtype=np.int64)])
         every = len(self.logits_idx) == len(self.ids) and bool((np.asarray(self.logits_idx) == np.arange(len(self.ids))).all())
+        lora = self.lora if self.lora is not None and (np.asarray(self.lora) >= 0).any() else None  # eager: skipped
         return StepBatch(t(self.ids), t(self.pos), t(self.slots), self.n_decode,
                          t(self.block_tables, torch.int32), t(self.context_lens, torch.int32),
                          t(cu_q, torch.int32), t(cu_k, torch.int32), t(self.k_slots), list(self.lens),
-                         t(self.logits_idx), every)
+                         t(self.logits_idx), every, None if lora is None else t(lora))
 
 
 class ModelRunner:
@@ -135,6 +138,8 @@ class ModelRunner:
             "idx": torch.arange(bmax, dtype=torch.int64, device=dev),
             "bt": {m: torch.zeros((bmax, m), dtype=torch.int32, device=dev) for m in widths},
         }
+        if self.model.lora is not None:  # each row's adapter slot (infer/lora.py); the graphs always apply them
+            self._static["lora"] = torch.full((bmax,), -1, dtype=torch.int64, device=dev)
         # Pinned host twins of the inputs: the copies before a replay are asynchronous (pageable ones stall the host).
         self._pinned = [{k: (v.cpu().pin_memory() if torch.is_tensor(v) else {m: t.cpu().pin_memory() for m, t in v.items()})
                          for k, v in self._static.items() if k != "idx"} for _ in range(2)]
@@ -146,7 +151,8 @@ class ModelRunner:
             for bsz in sorted(batch_sizes, reverse=True):
                 s = self._static
                 sb = StepBatch(s["ids"][:bsz], s["pos"][:bsz], s["slots"][:bsz], bsz, s["bt"][m][:bsz], s["cl"][:bsz],
-                               empty32, empty32, s["slots"][:0], [], s["idx"][:bsz], every_row=True)
+                               empty32, empty32, s["slots"][:0], [], s["idx"][:bsz], every_row=True,
+                               lora=s["lora"][:bsz] if "lora" in s else None)
                 self.forward(sb, self._logits[:bsz])  # warm-up: kernels compiled, workspaces sized, outside capture
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
@@ -172,8 +178,10 @@ class ModelRunner:
         s, h = self._static, self._pinned[self._flip]
         # Fill the pinned twins (padding rows: token 0 at position 0 writing into the padding block, a context of
         # one token), then copy the whole captured batch asynchronously.
-        for name, values, pad in (("ids", hb.ids, 0), ("pos", hb.pos, 0), ("slots", hb.slots, 0),
-                                  ("cl", hb.context_lens, 1)):
+        inputs = [("ids", hb.ids, 0), ("pos", hb.pos, 0), ("slots", hb.slots, 0), ("cl", hb.context_lens, 1)]
+        if "lora" in s:
+            inputs.append(("lora", hb.lora if hb.lora is not None else -1, -1))
+        for name, values, pad in inputs:
             host = h[name].numpy()
             host[:n] = values
             host[n:bsz] = pad
