@@ -148,6 +148,36 @@ def test_adapter_rows_equal_the_merged_models_forward(name, tmp_path):
         assert rel_error(merged[0](torch.tensor([prompts[0]]))[0, -1], base(torch.tensor([prompts[0]]))[0, -1]) > 1e-2
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_peft_saved_adapter_gives_peft_models_logits(tmp_path):
+    """An adapter saved by PEFT itself on transformers' model (per-module ranks and alphas, rsLoRA's alpha / sqrt(r)
+    scaling): the engine's rows on it have the PEFT model's logits, beside base rows in the same steps."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    save_pretrained(_base("tiny-dense"), tmp_path / "base")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    config = peft.LoraConfig(r=4, lora_alpha=8, use_rslora=True, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                             rank_pattern={"o_proj": 2, "layers.1.mlp.up_proj": 6}, alpha_pattern={"down_proj": 3})
+    torch.manual_seed(3)
+    model = peft.get_peft_model(copy.deepcopy(hf), config).eval()
+    model.save_pretrained(tmp_path / "peft")
+    engine = Engine(load_pretrained(tmp_path / "base", dtype=torch.float32).eval(),
+                    EngineConfig(**CFG, max_loras=2, max_lora_rank=8), log=lambda *_: None,
+                    lora_modules={"p": str(tmp_path / "peft")})
+    assert engine.loras.by_name["p"].rank == 6
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 2048, (k,), generator=g).tolist() for k in (21, 13)]
+    runs = [engine.loras.by_name["p"].slot, -1]
+    pre, dec = _step_logits(engine, prompts, runs)
+    with torch.no_grad():
+        for j, (p, ref_model) in enumerate(zip(prompts, (model, hf))):
+            ref = ref_model(input_ids=torch.tensor([p])).logits[0]
+            assert rel_error(pre[j], ref[-2]) < 1e-5 and rel_error(dec[j], ref[-1]) < 1e-5, j
+        assert rel_error(model(input_ids=torch.tensor([prompts[0]])).logits[0, -1],
+                         hf(input_ids=torch.tensor([prompts[0]])).logits[0, -1]) > 1e-2
+
+
 # ---- trained adapters, exported --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

@@ -55,6 +55,15 @@ class AdapterNotFound(UserError):
 
 
 # ---- reading a PEFT folder -------------------------------------------------------------------------------------
+def served_shapes(args) -> dict[str, tuple[int, int]]:
+    """(in, out) of every hub module whose adapters are served (our names: layers.0.self_attn.q_proj): the attention
+    projections and the dense MLPs (models/lora_spec.py's targets without the experts)."""
+    from paraseek.models.lora_spec import LoRASpec, adapted, model_targets
+
+    targets = tuple(t for t in model_targets(args) if t not in ("experts", "shared_experts"))
+    return {w.name: (w.in_features, w.out_features) for w in adapted(args, LoRASpec(1, 1.0, targets))}
+
+
 _KEY = re.compile(r"^base_model\.model\.model\.(layers\.(\d+)\.(.+))\.lora_([AB])\.weight$")
 
 
@@ -69,9 +78,10 @@ class Adapter:
 
 
 def _pattern_value(patterns: dict, name: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module name."""
+    """PEFT's alpha_pattern lookup (peft.utils.other.get_pattern_key): the first key that matches the end of the
+    module's name."""
     for key, value in (patterns or {}).items():
-        if re.match(key if key.startswith("^") else rf"(.*\.)?{key}$", name):
+        if re.match(rf"(.*\.)?({key})$", name):
             return value
     return default
 
@@ -82,8 +92,6 @@ def read_adapter(path: str | Path, args, max_rank: int) -> Adapter:
     not the module's, a rank above max_rank, values that are not finite)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from paraseek.models.lora_spec import LoRASpec, adapted, model_targets
 
     folder = Path(path)
     if not folder.exists():
@@ -110,8 +118,7 @@ def read_adapter(path: str | Path, args, max_rank: int) -> Adapter:
         tensors = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{weights_file}: cannot be read ({str(e)[:200]})") from None
-    shapes = {w.name: (w.in_features, w.out_features)
-              for w in adapted(args, LoRASpec(1, 1.0, tuple(t for t in model_targets(args) if t != "experts")))}
+    shapes = served_shapes(args)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
@@ -119,7 +126,7 @@ def read_adapter(path: str | Path, args, max_rank: int) -> Adapter:
             raise UserError(f"{weights_file}: tensor {key!r} is not a LoRA A or B of a decoder layer's module; only "
                             "adapters of the layers' projections are served (not embeddings or the head)")
         name, module = m.group(1), m.group(3)
-        if module.startswith("mlp.experts") or module.startswith("mlp.shared_experts"):
+        if module.startswith(("mlp.experts", "mlp.shared_experts")):
             what = "shared" if "shared" in module else "routed"
             raise UserError(f"{path}: adapters of the {what} experts ({name}) are not served (they run inside the "
                             "fused-MoE kernels); serve the merged model (paraseek export --merge-lora), or train "
@@ -174,6 +181,7 @@ class LoRASlots:
         self.args, self.device, self.dtype = args, device, dtype
         self.modules: list = []  # LoRALinear and LatentLoRA
         self.idx_N: torch.Tensor | None = None
+        self._shapes = served_shapes(args) if args is not None else {}
         self._b = None
         self._masks: dict = {}
         self._col_slot: dict[int, torch.Tensor] = {}
@@ -210,7 +218,7 @@ class LoRASlots:
 
     # the buffers
     def wrap(self, base, layer: int, pieces: list[Piece]) -> LoRALinear:
-        shapes = self._hub_shapes()
+        shapes = self._shapes
         I = pieces[0].take_a(torch.empty((1, shapes[f"layers.{layer}.{pieces[0].target}"][0]), device="meta")).shape[1]
         for p in pieces:  # the pieces tile the local output, as the weight was built
             o_hub = shapes[f"layers.{layer}.{p.target}"][1]
@@ -219,15 +227,6 @@ class LoRASlots:
         lin = LoRALinear(base, self, layer, pieces, I)
         self.modules.append(lin)
         return lin
-
-    def _hub_shapes(self) -> dict[str, tuple[int, int]]:
-        if not hasattr(self, "_shapes"):
-            from paraseek.models.lora_spec import LoRASpec, adapted, model_targets
-
-            targets = tuple(t for t in model_targets(self.args) if t not in ("experts", "shared_experts"))
-            self._shapes = {w.name: (w.in_features, w.out_features)
-                            for w in adapted(self.args, LoRASpec(1, 1.0, targets))}
-        return self._shapes
 
     def targets(self) -> set[str]:
         """The hub modules (our names) whose adapters these slots serve."""
@@ -238,6 +237,9 @@ class LoRASlots:
         missing = sorted(set(adapter.weights) - self.targets())
         if missing:
             raise UserError(f"{adapter.path}: {missing[0]} is not adapted by this server's model")
+        rank = max((a.shape[0] for a, _ in adapter.weights.values()), default=0)
+        if rank > self.max_rank:  # it would spill into the next slot
+            raise UserError(f"{adapter.path}: rank {rank} is above --max-lora-rank {self.max_rank}")
         with torch.no_grad():
             for m in self.modules:
                 m.load(slot, adapter.weights)
@@ -263,6 +265,8 @@ class LoRALinear:
         return y_NO.addmm_(xa_NX, self.b_OX.t())
 
     def __getattr__(self, name):  # out_features, w, ... of the base projection
+        if name == "base":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.base, name)
 
     def nbytes(self) -> int:
