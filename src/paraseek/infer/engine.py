@@ -312,7 +312,6 @@ class Engine:
         req = Request(request_id, list(prompt_ids), params, frozenset(stop), priority=priority)
         if adapter is not None:  # its slot for the forward, its salt for the prefix cache
             req.lora_slot, req.cache_salt = adapter.slot, adapter.salt
-            adapter.running += 1
         # Sampled from the logits alone (greedy, or temperature/top-k/top-p/min-p with its seed): the step's tokens
         # can stay on the device, so steps overlap. Penalties, log-probabilities and min_tokens read the host, and so
         # do masks and logit_bias (a grammar's mask is built on the host from the tokens so far): those requests take
@@ -330,6 +329,8 @@ class Engine:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
         self._host_sampled += not req.device_sampled
+        if adapter is not None:
+            adapter.running += 1  # until _forget: an adapter with unfinished requests is not unloaded
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req

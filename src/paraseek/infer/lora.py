@@ -14,13 +14,15 @@ y += (alpha / r) x A^T B^T) is two GEMMs over all slots at once:
 so a token's row of xa holds x A_l^T in its own slot's R columns and zeros elsewhere, and xa B_all^T = x A_l^T B_l^T.
 A base token's row is all zeros: its output is exactly the base output. The zeros are selected (torch.where), not
 multiplied in, so no value of another slot can reach a token (0 x inf would be NaN); B is checked finite at load.
-The extra bytes a step reads are L*R*(I + O) per projection; its extra FLOPs 2*N*L*R*(I + O).
+The extra bytes a step reads are L*R*(I + O) per adapted hub module; its extra FLOPs 2*N*L*R*(I + O).
 
-Fused projections (q|k|v, gate|up, MLA's q_a|kv_a): each hub target is one "piece" with its own R columns per slot
-(so A_all has L*n*R rows for n pieces) and B_all is block-structured: a piece's columns hold its B in the rows of its
-part of the fused output and zeros elsewhere. Tensor parallelism cuts the adapters as the weights are cut
-(infer/model.py): a column-parallel weight's B by output rows, a row-parallel weight's A by input columns (the
-partial deltas are summed by the all-reduce that already follows o_proj and down_proj).
+Fused projections (q|k|v, gate|up, MLA's q_a|kv_a): each hub module is one "piece" with its own A_all, stacked for
+one GEMM x A^T [N, n*L*R] over the n pieces (masked alike), and its B_all in the rows of its part of the fused output
+(one B_all [O, L*R] without zeros), so the B side is one GEMM per piece into its columns of y. A block-structured
+B_all [O, n*L*R] would make that one GEMM, reading n times as many values, most of them zeros. Tensor parallelism
+cuts the adapters as the weights are cut (infer/model.py): a column-parallel weight's B by output rows, a
+row-parallel weight's A by input columns (the partial deltas are summed by the all-reduce that already follows
+o_proj and down_proj).
 
 MLA's kv_b is read as W_UK and W_UV (absorbed decode) and expanded for prefill, so its adapter is applied in each of
 those three forms (`LatentLoRA`); the latent cache holds kv_a's output, which does not depend on kv_b, and kv_a's own
@@ -184,26 +186,18 @@ class LoRASlots:
         self._shapes = served_shapes(args) if args is not None else {}
         self._b = None
         self._masks: dict = {}
-        self._col_slot: dict[int, torch.Tensor] = {}
+        self._cols = torch.arange(max_loras * max_rank, device=device) // max_rank  # [L*R]: each column's slot
 
     # the step
     def begin(self, b) -> None:
         """The step's per-token slots b.lora [N] (None: no token of the step uses an adapter)."""
         self.idx_N, self._b, self._masks = getattr(b, "lora", None), b, {}
 
-    def _cols(self, n: int) -> torch.Tensor:
-        """[L*n*R]: the slot each column of a projection of n pieces belongs to."""
-        cols = self._col_slot.get(n)
-        if cols is None:
-            w = n * self.max_rank
-            cols = self._col_slot[n] = torch.arange(self.max_loras * w, device=self.device) // w
-        return cols
-
-    def mask(self, n: int) -> torch.Tensor:
-        """[N, L*n*R] bool: column j belongs to the token's slot (a projection of n pieces)."""
-        m = self._masks.get(n)
+    def mask(self) -> torch.Tensor:
+        """[N, L*R] bool: column j belongs to the token's slot (computed once a step, for every projection)."""
+        m = self._masks.get("tokens")
         if m is None:
-            m = self._masks[n] = self._cols(n) == self.idx_N[:, None]
+            m = self._masks["tokens"] = self._cols == self.idx_N[:, None]
         return m
 
     def key_mask(self) -> torch.Tensor:
@@ -213,7 +207,7 @@ class LoRASlots:
             b = self._b
             first = self.idx_N[b.cu_q[:-1].long() + b.n_decode]  # each chunk's slot: its first query token's
             idx_K = torch.repeat_interleave(first, (b.cu_k[1:] - b.cu_k[:-1]).long(), output_size=b.k_slots.numel())
-            m = self._masks["keys"] = self._cols(1) == idx_K[:, None]
+            m = self._masks["keys"] = self._cols == idx_K[:, None]
         return m
 
     # the buffers
@@ -249,20 +243,28 @@ class LoRASlots:
 
 
 class LoRALinear:
-    """A Linear (any weight format: it only calls the base projection) plus the slots' batched delta."""
+    """A Linear (any weight format: it only calls the base projection) plus the slots' batched delta. X = L*R
+    columns: slot l's are l*R .. l*R + r; A of piece p in rows p*X .. (p+1)*X of a_PXI."""
 
     def __init__(self, base, slots: LoRASlots, layer: int, pieces: list[Piece], in_features: int):
         self.base, self.slots, self.layer, self.pieces = base, slots, layer, pieces
-        X = slots.max_loras * len(pieces) * slots.max_rank
-        self.a_XI = torch.zeros((X, in_features), device=slots.device, dtype=slots.dtype)
+        X = slots.max_loras * slots.max_rank
+        self.a_PXI = torch.zeros((len(pieces) * X, in_features), device=slots.device, dtype=slots.dtype)
         self.b_OX = torch.zeros((base.out_features, X), device=slots.device, dtype=slots.dtype)
 
     def __call__(self, x_NI: torch.Tensor) -> torch.Tensor:
         y_NO = self.base(x_NI)
         if self.slots.idx_N is None:
             return y_NO
-        xa_NX = torch.where(self.slots.mask(len(self.pieces)), F.linear(x_NI, self.a_XI), 0)
-        return y_NO.addmm_(xa_NX, self.b_OX.t())
+        m_NX = self.slots.mask()
+        if len(self.pieces) == 1:
+            return y_NO.addmm_(torch.where(m_NX, F.linear(x_NI, self.a_PXI), 0), self.b_OX.t())
+        N, X = x_NI.shape[0], m_NX.shape[1]
+        xa_NPX = torch.where(m_NX[:, None, :], F.linear(x_NI, self.a_PXI).view(N, len(self.pieces), X), 0)
+        for k, p in enumerate(self.pieces):  # each piece's B into its columns of y
+            rows = slice(p.start, p.start + p.rows)
+            y_NO[:, rows].addmm_(xa_NPX[:, k], self.b_OX[rows].t())
+        return y_NO
 
     def __getattr__(self, name):  # out_features, w, ... of the base projection
         if name == "base":  # not set yet (a copy being built): no recursion
@@ -273,21 +275,22 @@ class LoRALinear:
         return self.base.nbytes() + self.nbytes_lora()
 
     def nbytes_lora(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a_XI, self.b_OX))
+        return sum(t.numel() * t.element_size() for t in (self.a_PXI, self.b_OX))
 
     def load(self, slot: int, weights: dict) -> None:
-        R, n = self.slots.max_rank, len(self.pieces)
-        cols = slice(slot * n * R, (slot + 1) * n * R)
-        self.a_XI[cols] = 0
-        self.b_OX[:, cols] = 0
+        R, X = self.slots.max_rank, self.b_OX.shape[1]
+        c0 = slot * R
+        self.b_OX[:, c0:c0 + R] = 0
         for k, p in enumerate(self.pieces):
+            a_rows = slice(k * X + c0, k * X + c0 + R)
+            self.a_PXI[a_rows] = 0
             ab = weights.get(f"layers.{self.layer}.{p.target}")
             if ab is None:
                 continue
             a, b = p.take_a(ab[0]), p.take_b(ab[1])
-            c0 = (slot * n + k) * R
-            self.a_XI[c0:c0 + a.shape[0]] = a.to(self.a_XI)
-            self.b_OX[p.start:p.start + p.rows, c0:c0 + a.shape[0]] = b.to(self.b_OX)
+            r = a.shape[0]
+            self.a_PXI[k * X + c0:k * X + c0 + r] = a.to(self.a_PXI)
+            self.b_OX[p.start:p.start + p.rows, c0:c0 + r] = b.to(self.b_OX)
 
 
 class LatentLoRA:
@@ -311,7 +314,7 @@ class LatentLoRA:
         if self.slots.idx_N is None:
             return
         n = q_nope_nHD.shape[0]
-        t_HnX = torch.where(self.slots.mask(1)[:n], torch.bmm(q_nope_nHD.transpose(0, 1), self.b_uk_HDX), 0)
+        t_HnX = torch.where(self.slots.mask()[:n], torch.bmm(q_nope_nHD.transpose(0, 1), self.b_uk_HDX), 0)
         q_lat_HnC.add_(torch.matmul(t_HnX, self.a_XC))
 
     def value_(self, o_NHV: torch.Tensor, o_lat_nHC: torch.Tensor) -> None:
@@ -319,7 +322,7 @@ class LatentLoRA:
         if self.slots.idx_N is None:
             return
         n = o_lat_nHC.shape[0]
-        t_nHX = torch.where(self.slots.mask(1)[:n, None, :], torch.matmul(o_lat_nHC, self.a_XC.t()), 0)
+        t_nHX = torch.where(self.slots.mask()[:n, None, :], torch.matmul(o_lat_nHC, self.a_XC.t()), 0)
         o_NHV[:n] += torch.bmm(t_nHX.transpose(0, 1), self.b_uv_HXV).transpose(0, 1)
 
     def expand_(self, kv_KO: torch.Tensor, ctx_KC: torch.Tensor) -> torch.Tensor:
