@@ -3,17 +3,18 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream`; tool calls, structured
 outputs), GET /v1/models, POST /tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus, vLLM's names and
 paraseek's), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; a request's `model` names the base
-model or a loaded LoRA adapter). Until the engine is warm every route but /metrics answers 503 (a client that waits for /v1/models, as
-scripts written for vLLM do, can send its requests once it gets a 200). Every error is OpenAI's JSON object with the
-right status, and the server keeps serving after it; a field the server does not implement is a 400 that names it,
-never silently ignored. A client that disconnects cancels its request at once; the waiting queue is bounded (429
-with Retry-After); SIGTERM stops admitting, lets running requests finish for --drain-timeout seconds, aborts the
-rest and exits 0.
+model or a loaded LoRA adapter). Until the engine is warm every route but /metrics answers 503 (a client that waits
+for /v1/models, as scripts written for vLLM do, can send its requests once it gets a 200). Every error is OpenAI's
+JSON object with the right status, and the server keeps serving after it; a field the server does not implement is a
+400 that names it, never silently ignored. A client that disconnects cancels its request at once; the waiting queue
+is bounded (429 with Retry-After); SIGTERM stops admitting, lets running requests finish for --drain-timeout
+seconds, aborts the rest and exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -290,21 +291,15 @@ def _ready(state: ServerState, model: str | None = None) -> None:
                         "not_found_error", "model")
 
 
-class _lora_errors:
+@contextlib.contextmanager
+def _lora_errors(param: str):
     """An adapter's UserError as its HTTP answer: 404 when it is not found (lora.AdapterNotFound), else 400."""
-
-    def __init__(self, param: str):
-        self.param = param
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if isinstance(exc, UserError):
-            status = getattr(exc, "status", 400)
-            raise HTTPError(status, str(exc), "not_found_error" if status == 404 else "invalid_request_error",
-                            self.param) from None
-        return False
+    try:
+        yield
+    except UserError as e:
+        status = getattr(e, "status", 400)
+        raise HTTPError(status, str(e), "not_found_error" if status == 404 else "invalid_request_error",
+                        param) from None
 
 
 def _tokenizer(state: ServerState, param: str):
