@@ -11,7 +11,9 @@ paged decode attention's launch configs), stress, hf (HF generate on the same re
 hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under `paraseek bench-serve`,
 then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the same with
 --max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile
-(the server's CPU per streamed token by thread, and py-spy's samples at concurrency 32: carry py-spy's wheel in .whl).
+(the server's CPU per streamed token by thread, and py-spy's samples at concurrency 32: carry py-spy's wheel in .whl),
+lora (scripts/gpu/bench_lora_decode.py: a decode step of 64 sequences on the 8B shape with 8 rank-16 LoRA adapters
+against the base model, graphs on).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
 """
@@ -405,6 +407,16 @@ def group_gptfast(out: Path, anchors: str) -> list[dict]:
                    "256", "--prompt-len", "128", "--samples", "3"], 480)
     (out / "gptfast.txt").write_text(text)
     return [{"name": "gpt-fast", "rc": rc, "lines": [l for l in text.splitlines() if l.startswith("GPTFAST")]}]
+
+
+def group_lora(out: Path, anchors: str) -> list[dict]:
+    tiny = ["--context", "64", "--batch", "8", "--reps", "5"] if os.environ.get("INFER_VALIDATE_TINY") == "1" else []
+    rc, text = sh([PY, str(ROOT / "scripts/gpu/bench_lora_decode.py"), "--model", LLAMA, *tiny], 900)
+    (out / "lora.txt").write_text(text)
+    lines = text.splitlines()
+    found = next((l for l in lines if l.startswith("LORA ")), None)
+    r = json.loads(found[len("LORA "):]) if found else {}
+    return [{**r, "name": "lora", "rc": rc, "lines": [l for l in lines if l.startswith("decode step of")]}]
 
 
 def row(r: dict) -> str:

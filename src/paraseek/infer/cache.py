@@ -4,7 +4,9 @@ cache of full blocks keyed by their contents (PagedAttention, Kwon et al. 2023; 
 Block 0 is never handed out: padded rows of a CUDA-graph batch write their K/V there.
 
 A full block is registered under SHA-256 of (the previous block's hash, its token ids), so equal prefixes map to
-equal chains. The hash is collision-resistant because a hit serves the cached K/V without comparing tokens: with a
+equal chains. The first block's "previous hash" is the request's cache salt when it has one (a LoRA adapter's,
+infer/lora.py): K/V computed under one adapter are found by prompts of that adapter only, never by another's or the
+base model's. The hash is collision-resistant because a hit serves the cached K/V without comparing tokens: with a
 64-bit hash (Python's hash() of the tuple) two different prefixes could share a key, and a request would be served
 another request's cache, another tenant's on a shared server (vLLM moved to SHA-256 for the same reason,
 CVE-2025-25183). A block whose last user finished stays cached until it is needed for new tokens; free blocks are
@@ -119,14 +121,15 @@ class BlockPool:
             self.cached[block_hash] = block
             self.hash_of[block] = block_hash
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
-        """The longest chain of cached full blocks that starts `token_ids` (at most max_blocks), taken by the
-        caller (reference counts raised): (block ids, their hashes)."""
+    def match_prefix(self, token_ids: list[int], max_blocks: int,
+                     salt: bytes | None = None) -> tuple[list[int], list[bytes]]:
+        """The longest chain of cached full blocks that starts `token_ids` (at most max_blocks) under `salt` (the
+        first block's parent), taken by the caller (reference counts raised): (block ids, their hashes)."""
         blocks: list[int] = []
         hashes: list[bytes] = []
         if not self.prefix_caching:
             return blocks, hashes
-        bs, parent = self.block_size, None
+        bs, parent = self.block_size, salt
         for i in range(max_blocks):
             h = self.chain_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
             b = self.cached.get(h)

@@ -63,6 +63,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
                    help=f"CPU only: memory for the KV cache (default {d.kv_cache_gib})")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    lo = p.add_argument_group("LoRA adapters (several at once, each request on its own; docs/serve.md)")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="allocate adapter slots (implied by the adapter and slot flags): adapters can be loaded "
+                    "while serving")
+    lo.add_argument("--max-loras", type=int, help=f"adapters loaded at once (default {DEFAULT_MAX_LORAS} when LoRA is "
+                    "on); every slot is read by every decode step, used or not")
+    lo.add_argument("--max-lora-rank", type=int,
+                    help=f"the largest adapter rank the slots hold (default {_engine_defaults().max_lora_rank}); "
+                    "larger adapters are refused")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,6 +102,9 @@ def _token_ids(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 2,32000, got {text!r}") from None
+
+
+DEFAULT_MAX_LORAS = 8
 
 
 def _engine_defaults():
@@ -131,8 +143,57 @@ def engine_config(ns: argparse.Namespace):
                        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
                        num_kv_blocks=ns.num_kv_blocks, kv_cache_gib=ns.kv_cache_gib,
                        enable_prefix_caching=not ns.no_prefix_caching, enforce_eager=ns.enforce_eager, seed=ns.seed)
+    if lora_enabled(ns):
+        cfg.max_loras = ns.max_loras if ns.max_loras is not None else max(DEFAULT_MAX_LORAS, len(lora_modules(ns)))
+        cfg.max_lora_rank = ns.max_lora_rank if ns.max_lora_rank is not None else cfg.max_lora_rank
+        if cfg.max_loras < 1:
+            raise UserError(f"--max-loras must be >= 1, got {cfg.max_loras}")
     cfg.validate()
     return cfg
+
+
+def lora_modules(ns: argparse.Namespace) -> dict[str, str]:
+    """The adapters to load at start: serve's --lora-modules, generate's --lora (parsed into ns.lora_modules)."""
+    return getattr(ns, "lora_modules", None) or {}
+
+
+def lora_enabled(ns: argparse.Namespace) -> bool:
+    return bool(getattr(ns, "enable_lora", False) or lora_modules(ns) or getattr(ns, "max_loras", None) is not None
+                or getattr(ns, "max_lora_rank", None) is not None)
+
+
+def parse_lora_modules(items: list[str], flag: str) -> dict[str, str]:
+    """NAME=PATH items (or vLLM's JSON form {"name": ..., "path": ...}) -> {name: path}; one line per mistake."""
+    out: dict[str, str] = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                d = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{flag} {item!r}: not valid JSON ({e.msg})") from None
+            name, path = (d.get("name"), d.get("path")) if isinstance(d, dict) else (None, None)
+        else:
+            name, _, path = item.partition("=")
+        if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+            raise UserError(f"{flag} {item!r}: give NAME=PATH (an adapter name and its PEFT folder)")
+        if name in out:
+            raise UserError(f"{flag}: the adapter name {name!r} is given twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def check_lora_modules(ns: argparse.Namespace, args, flag: str) -> None:
+    """Read every adapter given at start now, so that a bad folder costs one line before the model loads."""
+    from paraseek.infer.lora import read_adapter
+
+    cfg = engine_config(ns)
+    if len(lora_modules(ns)) > cfg.max_loras:
+        raise UserError(f"{flag}: {len(lora_modules(ns))} adapters but --max-loras {cfg.max_loras}: raise --max-loras")
+    for name, path in lora_modules(ns).items():
+        try:
+            read_adapter(path, args, cfg.max_lora_rank)
+        except UserError as e:
+            raise UserError(f"{flag} {name}={path}: {e}") from None
 
 
 def generation_defaults(src) -> tuple[dict[str, Any], str]:
@@ -332,7 +393,7 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     load_s = time.perf_counter() - t0
     tokenizer = load_tokenizer(src)
     engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
-                    log=log)
+                    log=log, lora_modules=lora_modules(ns))
     engine.report.extra["load_s"] = load_s
     return engine
 
@@ -354,6 +415,7 @@ class Prompt:
     token_ids: list[int]
     overrides: dict[str, Any]
     where: str  # "prompt 2" (the second --prompt) or "FILE.jsonl:7" (its line), for messages
+    lora: str | None = None  # the LoRA adapter it runs on (--lora); None: the base model
 
 
 def read_prompts(ns: argparse.Namespace, tokenizer, vocab_size: int) -> list[Prompt]:
@@ -373,10 +435,14 @@ def read_prompts(ns: argparse.Namespace, tokenizer, vocab_size: int) -> list[Pro
         overrides = {k: v for k, v in row.items() if k in fields}
         if "max_new_tokens" in row:
             overrides["max_tokens"] = row["max_new_tokens"]
-        unknown = set(row) - fields - {"prompt", "prompt_token_ids", "messages", "id", "max_new_tokens"}
+        unknown = set(row) - fields - {"prompt", "prompt_token_ids", "messages", "id", "max_new_tokens", "lora"}
         if unknown:
             raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r} (prompt, prompt_token_ids, messages, id, "
-                            f"or a sampling field such as max_tokens, temperature)")
+                            f"lora, or a sampling field such as max_tokens, temperature)")
+        lora = row.get("lora", getattr(ns, "lora_default", None))
+        if lora is not None and lora not in lora_modules(ns):
+            given = ", ".join(lora_modules(ns)) or "none"
+            raise UserError(f"{where}: lora {lora!r} is not an adapter given with --lora NAME=PATH (given: {given})")
         if "prompt_token_ids" in row:
             ids = row["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
@@ -402,8 +468,25 @@ def read_prompts(ns: argparse.Namespace, tokenizer, vocab_size: int) -> list[Pro
             raise UserError(f"{where}: the prompt is empty (no token to start from)")
         if bad := [t for t in ids if not 0 <= t < vocab_size]:
             raise UserError(f"{where}: token id {bad[0]} is not in the model's vocabulary (0 to {vocab_size - 1})")
-        out.append(Prompt(i, str(row.get("id", i)), text, ids, overrides, where))
+        out.append(Prompt(i, str(row.get("id", i)), text, ids, overrides, where, lora))
     return out
+
+
+def _generate_loras(ns: argparse.Namespace) -> None:
+    """--lora NAME=PATH (repeatable) -> ns.lora_modules; a bare --lora PATH (named after its folder) is also the
+    adapter of every prompt that names none (ns.lora_default)."""
+    from pathlib import Path
+
+    items, ns.lora_default = [], None
+    for item in ns.lora or []:
+        if "=" not in item:
+            if ns.lora_default is not None:
+                raise UserError(f"--lora {item}: only one adapter can be every prompt's (a bare PATH); name the "
+                                "others (--lora NAME=PATH) and pick them with a prompt row's lora field")
+            ns.lora_default = Path(item).name or item
+            item = f"{ns.lora_default}={item}"
+        items.append(item)
+    ns.lora_modules = parse_lora_modules(items, "--lora")
 
 
 def _json_schema(path: str, tokenizer) -> dict:
@@ -432,6 +515,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     device = device_for(ns)
     check_parallel(ns, src.args, device)
     batch_line = resolve_offline_defaults(ns, device)
+    _generate_loras(ns)
+    check_lora_modules(ns, src.args, "--lora")
     tokenizer = load_tokenizer(src)
     cfg = engine_config(ns)
     defaults, why = generation_defaults(src)
@@ -475,7 +560,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if pl.driver:
         mine = [p for p in prompts if p.index % ns.dp == pl.replica]
         reqs = engine.generate([p.token_ids for p in mine], [params[p.index] for p in mine],
-                               progress=pl.rank == 0 and not ns.quiet, ids=[p.id + f"#{p.index}" for p in mine])
+                               progress=pl.rank == 0 and not ns.quiet, ids=[p.id + f"#{p.index}" for p in mine],
+                               loras=[p.lora for p in mine])
         engine.shutdown()
         results = [_result(p, r, tokenizer) for p, r in zip(mine, reqs)]
     else:
@@ -512,7 +598,7 @@ def _result(p: Prompt, r, tokenizer) -> dict[str, Any]:
         # server leave it out too); token_ids keep it.
         ids = r.output_ids[:-1] if r.finish_reason == "stop" else r.output_ids
         text = tokenizer.decode(ids, skip_special_tokens=r.params.skip_special_tokens) if tokenizer else None
-    out = {"index": p.index, "id": p.id, "prompt": p.text, "text": text, "token_ids": r.output_ids,
+    out = {"index": p.index, "id": p.id, "lora": p.lora, "prompt": p.text, "text": text, "token_ids": r.output_ids,
            "finish_reason": r.finish_reason, "prompt_tokens": r.num_prompt, "completion_tokens": r.num_output,
            "cached_prompt_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
            "time_to_first_token_s": (r.first_token_time - r.arrival) if r.first_token_time else None,
@@ -544,9 +630,13 @@ def register(subparsers) -> None:
     src = p.add_argument_group("prompts")
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts", metavar="FILE.jsonl", help="one object per line: prompt (text), prompt_token_ids, or "
-                     "messages (a chat), plus optional id and sampling fields (max_tokens, temperature, ...)")
+                     "messages (a chat), plus optional id, lora (an adapter's name) and sampling fields (max_tokens, "
+                     "temperature, ...)")
     src.add_argument("--chat", action="store_true", help="render --prompt texts as user messages with the model's "
                      "chat template")
+    src.add_argument("--lora", action="append", metavar="NAME=PATH", help="a LoRA adapter (a PEFT folder, as `paraseek "
+                     "export --export-adapter` writes) that --prompts rows run on with \"lora\": NAME (repeatable; "
+                     "the others run on the base model); a bare PATH: the adapter of every prompt that names none")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_generate, argv=None)

@@ -101,7 +101,7 @@ class TextStream:
 
 class Engine:
     def __init__(self, model, cfg: EngineConfig, *, tokenizer=None, tp_group=None, meta_group=None,
-                 stop_token_ids: list[int] | None = None, log=print):
+                 stop_token_ids: list[int] | None = None, log=print, lora_modules: dict[str, str] | None = None):
         cfg.validate()
         self.cfg, self.tokenizer, self.log = cfg, tokenizer, log
         self.args = model.args
@@ -112,6 +112,9 @@ class Engine:
             model = InferenceModel.from_training(model, tp_group)
         self.runner = ModelRunner(model, self.max_model_len, cfg.block_size)
         self.device = self.runner.device
+        self.loras = None  # infer/lora.LoRARegistry: adapters by name, each in a slot of every adapted projection
+        if cfg.max_loras or lora_modules:
+            self._attach_loras(lora_modules or {}, log)
         self.platform = for_device(self.device)
         ops.use_kernels(self.platform.triton_kernels)
         attention.USE_FLASH = self.platform.flash_prefill
@@ -231,7 +234,8 @@ class Engine:
         zeros = np.zeros(N, dtype=np.int64)
         pos = np.concatenate([np.arange(n) for n, _ in lens]) % bs  # slots of block 0 (scratch)
         li = np.cumsum([n for n, _ in lens]) - 1
-        hb = HostBatch(zeros, pos, pos, 0, np.zeros((0, 1), np.int32), np.zeros(0, np.int32), lens, pos, li)
+        lora = (lambda n: np.zeros(n, np.int64) if self.loras is not None else None)  # noqa: E731 (an adapter's work)
+        hb = HostBatch(zeros, pos, pos, 0, np.zeros((0, 1), np.int32), np.zeros(0, np.int32), lens, pos, li, lora(N))
         torch.cuda.reset_peak_memory_stats()
         self.runner.run(hb)
         torch.cuda.synchronize()
@@ -241,7 +245,8 @@ class Engine:
         # and the widest CUDA graph keeps that workspace for as long as the engine lives.
         B, M = cfg.max_num_seqs, math.ceil(self.max_model_len / bs)
         hb = HostBatch(np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64), B,
-                       np.zeros((B, M), np.int32), np.ones(B, np.int32), [], np.zeros(0, np.int64), np.arange(B))
+                       np.zeros((B, M), np.int32), np.ones(B, np.int32), [], np.zeros(0, np.int64), np.arange(B),
+                       lora(B))
         logits = self.runner.run(hb)
         torch.cuda.synchronize()
         decode_peak = torch.cuda.max_memory_allocated()  # the forward alone: what a decode graph keeps
@@ -293,16 +298,20 @@ class Engine:
             raise UserError(f"the request needs {need} KV blocks but the whole cache holds {self.pool.num_blocks - 1}")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stream_text: bool = False, priority: int = 0) -> Request:
+                    stream_text: bool = False, priority: int = 0, lora: str | None = None) -> Request:
         """Queue a request. Its text is kept as it grows (`req.stream`) when asked or when it has stop strings;
-        stop strings need the tokenizer. Lower `priority` values are admitted first."""
+        stop strings need the tokenizer. Lower `priority` values are admitted first. `lora`: the name of a loaded
+        LoRA adapter to run it on (None: the base model)."""
         self.check_request(prompt_ids, params)
         if params.stop and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already running")
+        adapter = self.lora_adapter(lora) if lora is not None else None
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.stop_token_ids))
         req = Request(request_id, list(prompt_ids), params, frozenset(stop), priority=priority)
+        if adapter is not None:  # its slot for the forward, its salt for the prefix cache
+            req.lora_slot, req.cache_salt = adapter.slot, adapter.salt
         # Sampled from the logits alone (greedy, or temperature/top-k/top-p/min-p with its seed): the step's tokens
         # can stay on the device, so steps overlap. Penalties, log-probabilities and min_tokens read the host, and so
         # do masks and logit_bias (a grammar's mask is built on the host from the tokens so far): those requests take
@@ -320,6 +329,8 @@ class Engine:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
         self._host_sampled += not req.device_sampled
+        if adapter is not None:
+            adapter.running += 1  # until _forget: an adapter with unfinished requests is not unloaded
         self.scheduler.add(req)
         self.num_prompt_tokens += len(prompt_ids)
         return req
@@ -456,8 +467,10 @@ class Engine:
             self._forget(req)
 
     def _forget(self, req: Request) -> None:
-        if self.requests.pop(req.request_id, None) is not None and not req.device_sampled:
-            self._host_sampled -= 1
+        if self.requests.pop(req.request_id, None) is not None:
+            self._host_sampled -= not req.device_sampled
+            if req.lora_slot >= 0:
+                self.loras.by_slot[req.lora_slot].running -= 1
 
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
@@ -520,8 +533,12 @@ class Engine:
             if s.sample:
                 logits_idx.append(row - 1)
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        lora = None
+        if self.loras is not None:  # each token's adapter slot (-1: the base model)
+            lora = cat([np.asarray([s.request.lora_slot for s in items[:nd]], np.int64)]
+                       + [np.full(s.n, s.request.lora_slot, np.int64) for s in items[nd:]])
         hb = HostBatch(cat(ids_np), cat(pos_np), cat(slots_np), nd, bt, ctx, lens, cat(k_slots),
-                       np.asarray(logits_idx, dtype=np.int64))
+                       np.asarray(logits_idx, dtype=np.int64), lora)
         return hb, np.asarray(src, dtype=np.int64)
 
     def _broadcast(self, hb: HostBatch | None) -> None:
@@ -536,15 +553,71 @@ class Engine:
     def shutdown(self) -> None:
         self._broadcast(None)
 
+    # ---- LoRA adapters (infer/lora.py) ----------------------------------------------------------------------------
+    def _attach_loras(self, modules: dict[str, str], log) -> None:
+        """Slots in every adapted projection (before the cache is sized and the graphs are captured: both count
+        them), then the adapters given at start, on every tp rank."""
+        from paraseek.infer import lora
+
+        cfg = self.cfg
+        if len(modules) > cfg.max_loras:
+            raise UserError(f"{len(modules)} LoRA adapters given but --max-loras is {cfg.max_loras}: raise "
+                            "--max-loras")
+        self.loras = lora.LoRARegistry(lora.attach(self.runner.model, cfg.max_loras, cfg.max_lora_rank))
+        for name, path in modules.items():
+            self.loras.add(name, lora.read_adapter(path, self.args, cfg.max_lora_rank))
+        log(f"LoRA: {cfg.max_loras} adapter slots of rank {cfg.max_lora_rank} "
+            f"({self.loras.slots.nbytes() / 2**20:,.1f} MiB on each rank); loaded: "
+            f"{', '.join(f'{n} (r={a.rank})' for n, a in self.loras.by_name.items()) or 'none'}")
+
+    def lora_adapter(self, name: str):
+        """The loaded adapter `name` (infer/lora.Loaded); lora.AdapterNotFound if there is none."""
+        from paraseek.infer.lora import AdapterNotFound
+
+        if self.loras is None:
+            raise AdapterNotFound(f"no LoRA adapter named {name!r}: this engine serves none (start it with "
+                                  "--enable-lora or --lora-modules)")
+        return self.loras.get(name)
+
+    def load_lora(self, name: str, path: str, adapter=None):
+        """Load a PEFT adapter folder into a free slot (`adapter`: the folder already read by lora.read_adapter)
+        and tell the other tp ranks to load it into the same slot. Call it between steps, on the engine's thread."""
+        from paraseek.infer import lora
+
+        if self.loras is None:
+            raise UserError("this engine has no adapter slots: start it with --enable-lora (or --lora-modules)")
+        self.loras.check_new(name)
+        if adapter is None:
+            adapter = lora.read_adapter(path, self.args, self.cfg.max_lora_rank)
+        one = self.loras.add(name, adapter)
+        if self.tp > 1:  # the others read their shares of the same folder
+            src = dist.get_global_rank(self.meta_group, 0)
+            dist.broadcast(torch.tensor([2]), src=src, group=self.meta_group)
+            dist.broadcast(torch.tensor([-2, one.slot]), src=src, group=self.meta_group)
+            dist.broadcast_object_list([str(path)], src=src, group=self.meta_group)
+        return one
+
+    def unload_lora(self, name: str):
+        """Free the adapter's slot; refused (UserError) while requests of it are unfinished. The other tp ranks
+        need no word: the slot is unused until a load overwrites it everywhere."""
+        if self.loras is None:
+            self.lora_adapter(name)  # raises
+        return self.loras.remove(name)
+
     # ---- offline generation ---------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 progress: bool = False, ids: list[str] | None = None) -> list[Request]:
-        """All prompts to completion, in the order given."""
+                 progress: bool = False, ids: list[str] | None = None,
+                 loras: list[str | None] | None = None) -> list[Request]:
+        """All prompts to completion, in the order given (`loras`: each prompt's adapter name, None the base)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         ids = ids or [f"gen-{i}" for i in range(len(prompts))]
-        for p, sp in zip(prompts, params):
+        loras = loras or [None] * len(prompts)
+        for p, sp, name in zip(prompts, params, loras):
             self.check_request(p, sp)
-        reqs = [self.add_request(rid, p, dataclasses.replace(sp)) for rid, p, sp in zip(ids, prompts, params)]
+            if name is not None:
+                self.lora_adapter(name)
+        reqs = [self.add_request(rid, p, dataclasses.replace(sp), lora=name)
+                for rid, p, sp, name in zip(ids, prompts, params, loras)]
         bar = _progress(len(reqs)) if progress else None
         done = 0
         while self.has_work():
@@ -566,7 +639,14 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions, "generated_tokens": self.num_generated,
             "prompt_tokens": self.num_prompt_tokens, "kv_usage": pool.num_used / max(pool.num_blocks - 1, 1),
             "prefix_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
-        }
+        } | (self._lora_stats() if self.loras is not None else {})
+
+    def _lora_stats(self) -> dict:
+        """The adapters of the running and of the waiting requests (vLLM's lora_requests_info)."""
+        names = lambda reqs: sorted({self.loras.by_slot[r.lora_slot].name for r in list(reqs)  # noqa: E731
+                                     if r.lora_slot in self.loras.by_slot})
+        return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting),
+                "max_loras": self.cfg.max_loras}
 
 
 def serve_worker(runner: ModelRunner, meta_group) -> None:
@@ -577,6 +657,14 @@ def serve_worker(runner: ModelRunner, meta_group) -> None:
         dist.broadcast(n, src=src, group=meta_group)
         flat = torch.empty(int(n), dtype=torch.int64)
         dist.broadcast(flat, src=src, group=meta_group)
+        if int(flat[0]) == -2:  # a LoRA adapter into a slot (Engine.load_lora)
+            from paraseek.infer.lora import read_adapter
+
+            path = [None]
+            dist.broadcast_object_list(path, src=src, group=meta_group)
+            slots = runner.model.lora
+            slots.load(int(flat[1]), read_adapter(path[0], runner.args, slots.max_rank))
+            continue
         if int(flat[0]) < 0:
             return
         runner.run(HostBatch.unpack(flat))

@@ -136,6 +136,7 @@ class LatentAttention:
         self.w_uv_HCV = w_HXC[:, self.nope:].transpose(1, 2)  # attended latent -> each head's value
         self.o = Linear(_heads(attn.o_proj.weight, rank, tp, 1, self.V).contiguous())
         self.scale, self.interleave = attn.softmax_scale, attn.interleave
+        self.kv_b_lora = None  # infer/lora.LatentLoRA: kv_b's adapters, in each form kv_b is read
 
     def forward(self, h_NE: torch.Tensor, b, cache, i: int, rope) -> torch.Tensor:
         N, C, R, nope, Dv, H = h_NE.shape[0], self.C, self.R, self.nope, self.V, self.H
@@ -157,13 +158,20 @@ class LatentAttention:
             # Absorbed (DeepSeek-V2 appendix C): W_UK folded into the query, W_UV applied after attention, so the
             # keys and values are the cached latent itself: [H, nd, nope] @ [H, nope, C] -> [H, nd, C].
             q_lat_HnC = torch.bmm(q_NHX[:nd, :, :nope].transpose(0, 1), self.w_uk_HDC)
+            if self.kv_b_lora is not None:
+                self.kv_b_lora.absorb_q_(q_lat_HnC, q_NHX[:nd, :, :nope])
             o_lat_nHC = ops.paged_decode_mla(q_lat_HnC.transpose(0, 1), q_pe_NHR[:nd], c_SX, b.block_tables,
                                              b.context_lens, cache.block_size, self.scale)
             o_NHV[:nd] = torch.bmm(o_lat_nHC.transpose(0, 1), self.w_uv_HCV).transpose(0, 1)
+            if self.kv_b_lora is not None:
+                self.kv_b_lora.value_(o_NHV, o_lat_nHC)
         if nd < N:
             # Expanded (the training model's form): the context's latents through kv_b to per-head keys and values.
             ctx_KX = c_SX[b.k_slots]
-            kv_KHX = F.linear(ctx_KX[:, :C], self.kv_b_w).view(-1, H, nope + Dv)
+            kv_KO = F.linear(ctx_KX[:, :C], self.kv_b_w)
+            if self.kv_b_lora is not None:
+                kv_KO = self.kv_b_lora.expand_(kv_KO, ctx_KX[:, :C])
+            kv_KHX = kv_KO.view(-1, H, nope + Dv)
             K = kv_KHX.shape[0]
             k_KHD = torch.cat([kv_KHX[..., :nope], ctx_KX[:, None, C:].expand(K, H, R)], dim=-1)
             o_NHV[nd:] = prefill_attention(q_NHX[nd:], k_KHD, kv_KHX[..., nope:], b.cu_q, b.cu_k,
@@ -174,7 +182,8 @@ class LatentAttention:
         # Decode reads kv_b as W_UK and W_UV (views of it), each element once.
         ts = [self.kv_norm.w, self.kv_b_w] + ([self.q_a_norm.w] if self.q_lora else [])
         projs = [self.in_proj, self.o] + ([self.q_b] if self.q_lora else [])
-        return sum(t.numel() * t.element_size() for t in ts) + sum(p.nbytes() for p in projs)
+        lora = self.kv_b_lora.nbytes_lora() if self.kv_b_lora is not None else 0
+        return sum(t.numel() * t.element_size() for t in ts) + sum(p.nbytes() for p in projs) + lora
 
 
 class DenseMLP:
@@ -278,6 +287,7 @@ class InferenceModel:
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.device, self.dtype = embed_w.device, embed_w.dtype
         self.rope: Rope | None = None
+        self.lora = None  # infer/lora.LoRASlots once adapters are attached (lora.attach)
 
     @classmethod
     @torch.no_grad()
@@ -339,6 +349,8 @@ class InferenceModel:
         """Logits [n_sample, vocab] of the rows b.logits_idx (written into `logits_out` when given: the CUDA graphs
         share one output buffer instead of keeping one each)."""
         layers = self.layers
+        if self.lora is not None:
+            self.lora.begin(b)  # the step's token -> adapter slot, read by every adapted projection
         x_NE = F.embedding(b.input_ids, self.embed_w)
         h_NE = ops.rms_norm(x_NE, layers[0].in_norm.w, layers[0].in_norm.eps)
         for i, L in enumerate(layers):

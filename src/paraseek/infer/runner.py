@@ -33,6 +33,7 @@ class StepBatch:
     lens: list[tuple[int, int]]  # (queries, keys) per prefill chunk
     logits_idx: torch.Tensor  # [n_sample] int64: rows whose logits are sampled
     every_row: bool = False  # logits_idx is every row in order (decode steps): no gather
+    lora: torch.Tensor | None = None  # [N] int64: each token's adapter slot, -1 the base (infer/lora.py); None: none
 
     @property
     def num_tokens(self) -> int:
@@ -45,32 +46,33 @@ class HostBatch:
 
     HEADER = 8
 
-    def __init__(self, ids, pos, slots, n_decode, block_tables, context_lens, lens, k_slots, logits_idx):
+    def __init__(self, ids, pos, slots, n_decode, block_tables, context_lens, lens, k_slots, logits_idx, lora=None):
         self.ids, self.pos, self.slots, self.n_decode = ids, pos, slots, n_decode
         self.block_tables, self.context_lens, self.lens = block_tables, context_lens, lens
         self.k_slots, self.logits_idx = k_slots, logits_idx
+        self.lora = lora  # [N] adapter slot per token (-1: the base model), or None when the engine has no adapters
 
     def pack(self) -> torch.Tensor:
         M = self.block_tables.shape[1] if self.n_decode else 0
         lens = np.asarray(self.lens, dtype=np.int64).reshape(-1)
         header = np.array([len(self.ids), self.n_decode, M, len(self.lens), len(self.k_slots), len(self.logits_idx),
-                           0, 0], dtype=np.int64)
+                           self.lora is not None, 0], dtype=np.int64)
         parts = [header, self.ids, self.pos, self.slots, self.block_tables.reshape(-1), self.context_lens, lens,
-                 self.k_slots, self.logits_idx]
+                 self.k_slots, self.logits_idx] + ([self.lora] if self.lora is not None else [])
         return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
 
     @classmethod
     def unpack(cls, flat: torch.Tensor) -> HostBatch:
         a = flat.numpy()
-        N, nd, M, npf, K, ns = (int(x) for x in a[:6])
+        N, nd, M, npf, K, ns, has_lora = (int(x) for x in a[:7])
         o = cls.HEADER
         take = []
-        for size in (N, N, N, nd * M, nd, 2 * npf, K, ns):
+        for size in (N, N, N, nd * M, nd, 2 * npf, K, ns) + ((N,) if has_lora else ()):
             take.append(a[o:o + size])
             o += size
-        ids, pos, slots, bt, cl, lens, k_slots, li = take
+        ids, pos, slots, bt, cl, lens, k_slots, li = take[:8]
         return cls(ids, pos, slots, nd, bt.reshape(nd, M), cl, [tuple(x) for x in lens.reshape(npf, 2).tolist()],
-                   k_slots, li)
+                   k_slots, li, take[8] if has_lora else None)
 
     def to_device(self, device) -> StepBatch:
         def t(x, dtype=torch.int64):
@@ -79,10 +81,11 @@ class HostBatch:
         cu_q = np.concatenate([[0], np.cumsum([q for q, _ in self.lens], dtype=np.int64)])
         cu_k = np.concatenate([[0], np.cumsum([k for _, k in self.lens], dtype=np.int64)])
         every = len(self.logits_idx) == len(self.ids) and bool((np.asarray(self.logits_idx) == np.arange(len(self.ids))).all())
+        lora = self.lora if self.lora is not None and (np.asarray(self.lora) >= 0).any() else None  # eager: skipped
         return StepBatch(t(self.ids), t(self.pos), t(self.slots), self.n_decode,
                          t(self.block_tables, torch.int32), t(self.context_lens, torch.int32),
                          t(cu_q, torch.int32), t(cu_k, torch.int32), t(self.k_slots), list(self.lens),
-                         t(self.logits_idx), every)
+                         t(self.logits_idx), every, None if lora is None else t(lora))
 
 
 class ModelRunner:
@@ -148,12 +151,14 @@ class ModelRunner:
         return (self.graph_batch_sizes[i], self._widths[j]) if j < len(self._widths) else None
 
     def _graph_inputs(self, bsz: int, m: int) -> tuple[StepBatch, torch.Tensor]:
-        """The step of graph (bsz, m) as views of the flat input buffers, and its input-token sources."""
+        """The step of graph (bsz, m) as views of the flat input buffers (int64: ids, positions, slots, input-token
+        sources, adapter slots; int32: context lengths, block tables), and its input-token sources."""
         i64, i32 = self._i64, self._i32
         ids, pos, slots, src = (i64[k * bsz:(k + 1) * bsz] for k in range(4))
         empty32 = i32[:0]
         sb = StepBatch(ids, pos, slots, bsz, i32[bsz:bsz + bsz * m].view(bsz, m), i32[:bsz], empty32, empty32,
-                       slots[:0], [], self._rows[:bsz], every_row=True)
+                       slots[:0], [], self._rows[:bsz], every_row=True,
+                       lora=i64[4 * bsz:5 * bsz] if self._fields == 5 else None)
         return sb, src
 
     def _graph_step(self, bsz: int, m: int) -> torch.Tensor:
@@ -168,12 +173,14 @@ class ModelRunner:
     def capture_graphs(self, batch_sizes: list[int], widths: list[int]) -> None:
         """Capture the decode step for each (batch size, block-table width), largest first, sharing one memory pool."""
         bmax, wmax, dev = max(batch_sizes), max(widths), self.device
-        self._i64 = torch.zeros(4 * bmax, dtype=torch.int64, device=dev)
+        # A fifth int64 field with adapters (infer/lora.py): each row's slot, -1 the base; the graphs always apply them.
+        self._fields = 5 if self.model.lora is not None else 4
+        self._i64 = torch.zeros(self._fields * bmax, dtype=torch.int64, device=dev)
         self._i32 = torch.zeros(bmax * (1 + wmax), dtype=torch.int32, device=dev)
         self._rows = torch.arange(bmax, dtype=torch.int64, device=dev)
         self._tok = torch.zeros(bmax, dtype=torch.int64, device=dev)
         # Pinned host twins, two of each: the next step fills one while the other may still be copying.
-        self._pinned = [(torch.zeros(4 * bmax, dtype=torch.int64).pin_memory(),
+        self._pinned = [(torch.zeros(self._fields * bmax, dtype=torch.int64).pin_memory(),
                          torch.zeros(bmax * (1 + wmax), dtype=torch.int32).pin_memory()) for _ in range(2)]
         self._flip = 0
         pool = torch.cuda.graph_pool_handle()
@@ -199,8 +206,9 @@ class ModelRunner:
         h64, h32 = self._pinned[self._flip]
         a, b = h64.numpy(), h32.numpy()
         n = hb.n_decode if hb is not None else 0
-        a[:4 * bsz] = 0
-        a[3 * bsz:4 * bsz] = -1
+        F = self._fields
+        a[:F * bsz] = 0
+        a[3 * bsz:F * bsz] = -1  # no input from the device; the base model (no adapter)
         b[:bsz] = 1
         bt = b[bsz:bsz + bsz * m].reshape(bsz, m)
         bt[n:, 0] = 0
@@ -208,9 +216,11 @@ class ModelRunner:
             a[:n], a[bsz:bsz + n], a[2 * bsz:2 * bsz + n] = hb.ids, hb.pos, hb.slots
             if src is not None:
                 a[3 * bsz:3 * bsz + n] = src
+            if F == 5 and hb.lora is not None:
+                a[4 * bsz:4 * bsz + n] = hb.lora[:n]
             b[:n] = hb.context_lens
             bt[:n, :hb.block_tables.shape[1]] = hb.block_tables
-        self._i64[:4 * bsz].copy_(h64[:4 * bsz], non_blocking=True)
+        self._i64[:F * bsz].copy_(h64[:F * bsz], non_blocking=True)
         self._i32[:bsz * (1 + m)].copy_(h32[:bsz * (1 + m)], non_blocking=True)
 
     @torch.no_grad()

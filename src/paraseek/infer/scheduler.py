@@ -60,6 +60,8 @@ class Request:
     sample_row: int = -1
     last_pending: bool = False
     last_token_id: int = -1  # the newest token read back: what a step's caller delivers
+    lora_slot: int = -1  # the LoRA adapter's slot (infer/lora.py); -1: the base model
+    cache_salt: bytes | None = None  # the prefix-cache key's seed (the adapter's): BlockPool.match_prefix
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -169,7 +171,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_computed == 0 and not req.blocks:
                 # Keep at least the last token to compute: its logits give the next token.
-                hit, hashes = self.pool.match_prefix(req.token_ids, (len(req.token_ids) - 1) // bs)
+                hit, hashes = self.pool.match_prefix(req.token_ids, (len(req.token_ids) - 1) // bs, req.cache_salt)
                 req.blocks, req.block_hashes, req.num_computed = hit, hashes, len(hit) * bs
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = req.num_computed
@@ -207,7 +209,7 @@ class Scheduler:
         upto = min(upto, len(req.token_ids) - req.pending)
         while len(req.block_hashes) < upto // bs:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
+            parent = req.block_hashes[-1] if req.block_hashes else req.cache_salt
             h = self.pool.chain_hash(parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))
             self.pool.register(req.blocks[i], h)
             req.block_hashes.append(h)

@@ -2,17 +2,19 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream`; tool calls, structured
 outputs), GET /v1/models, POST /tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus, vLLM's names and
-paraseek's). Until the engine is warm every route but /metrics answers 503 (a client that waits for /v1/models, as
-scripts written for vLLM do, can send its requests once it gets a 200). Every error is OpenAI's JSON object with the
-right status, and the server keeps serving after it; a field the server does not implement is a 400 that names it,
-never silently ignored. A client that disconnects cancels its request at once; the waiting queue is bounded (429
-with Retry-After); SIGTERM stops admitting, lets running requests finish for --drain-timeout seconds, aborts the
-rest and exits 0.
+paraseek's), POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; a request's `model` names the base
+model or a loaded LoRA adapter). Until the engine is warm every route but /metrics answers 503 (a client that waits
+for /v1/models, as scripts written for vLLM do, can send its requests once it gets a 200). Every error is OpenAI's
+JSON object with the right status, and the server keeps serving after it; a field the server does not implement is a
+400 that names it, never silently ignored. A client that disconnects cancels its request at once; the waiting queue
+is bounded (429 with Retry-After); SIGTERM stops admitting, lets running requests finish for --drain-timeout
+seconds, aborts the rest and exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -27,8 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paraseek.errors import UserError
-from paraseek.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                     error_body, refused_field)
+from paraseek.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest, error_body,
+                                     refused_field)
 from paraseek.serve.tools import ToolCallParser, ToolError, check_tools, forced_spec, history_arguments
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # the routes --api-key guards (probes and scrapers need no key)
@@ -49,6 +52,7 @@ class ServerState:
     failed: str | None = None  # why the engine could not start
     created: int = field(default_factory=lambda: int(time.time()))
     allowed_origins: list[str] | None = None  # CORS (--allowed-origins); None: no CORS headers at all
+    root: str | None = None  # the model as given (MODEL), /v1/models' root of the base model
 
 
 class HTTPError(Exception):
@@ -115,8 +119,40 @@ def build_app(state: ServerState, max_body_bytes: int = 8 * 2**20) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         _ready(state)
-        return {"object": "list", "data": [{"id": state.served_name, "object": "model", "created": state.created,
-                                            "owned_by": "paraseek", "max_model_len": state.max_model_len}]}
+        card = lambda name, root, parent: {"id": name, "object": "model", "created": state.created,  # noqa: E731
+                                           "owned_by": "paraseek", "root": root, "parent": parent,
+                                           "max_model_len": state.max_model_len}
+        loras = state.loop.engine.loras
+        adapters = [card(one.name, one.path, state.served_name) for one in list(loras.by_name.values())] if loras else []
+        return {"object": "list", "data": [card(state.served_name, state.root, None), *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        """Read the PEFT folder off the event loop, then copy it into a free slot between two engine steps."""
+        from paraseek.infer.lora import read_adapter
+
+        _ready(state)
+        engine, name = state.loop.engine, body.lora_name
+        if name == state.served_name:
+            raise bad("lora_name", f"{name!r} is the base model's name; give the adapter another name")
+        if engine.loras is None:
+            raise bad(None, "this server has no adapter slots: start it with --enable-lora (or --lora-modules)")
+        with _lora_errors("lora_name"):
+            engine.loras.check_new(name)  # already loaded, or no free slot: before reading the folder
+        with _lora_errors("lora_path"):
+            adapter = await asyncio.to_thread(read_adapter, body.lora_path, engine.args, engine.cfg.max_lora_rank)
+        with _lora_errors("lora_name"):
+            await state.loop.call(lambda: engine.load_lora(name, body.lora_path, adapter))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        """Refused (400) while requests of the adapter are unfinished; they keep running on it."""
+        _ready(state)
+        engine = state.loop.engine
+        with _lora_errors("lora_name"):
+            await state.loop.call(lambda: engine.unload_lora(body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -247,9 +283,23 @@ def _ready(state: ServerState, model: str | None = None) -> None:
     if state.loop.error is not None:
         raise HTTPError(503, f"the engine stopped: {type(state.loop.error).__name__}: {state.loop.error}",
                         "service_unavailable")
-    if model is not None and model != state.served_name:
-        raise HTTPError(404, f"The model `{model}` does not exist; this server serves `{state.served_name}`",
+    loras = state.loop.engine.loras
+    if model is not None and model != state.served_name and (loras is None or model not in loras.by_name):
+        adapters = sorted(loras.by_name) if loras is not None else []
+        also = f" and the LoRA adapter{'s' if len(adapters) > 1 else ''} {', '.join(adapters)}" if adapters else ""
+        raise HTTPError(404, f"The model `{model}` does not exist; this server serves `{state.served_name}`{also}",
                         "not_found_error", "model")
+
+
+@contextlib.contextmanager
+def _lora_errors(param: str):
+    """An adapter's UserError as its HTTP answer: 404 when it is not found (lora.AdapterNotFound), else 400."""
+    try:
+        yield
+    except UserError as e:
+        status = getattr(e, "status", 400)
+        raise HTTPError(status, str(e), "not_found_error" if status == 404 else "invalid_request_error",
+                        param) from None
 
 
 def _tokenizer(state: ServerState, param: str):
@@ -494,8 +544,9 @@ async def _run(state: ServerState, request, body, prompts: list[tuple[list[int],
         raise HTTPError(429, f"the server's queue is full ({state.max_queue} waiting requests); retry shortly",
                         "rate_limit_error", headers={"Retry-After": "1"})
     out: asyncio.Queue = asyncio.Queue()
+    lora = body.model if body.model != state.served_name else None  # _ready: a loaded adapter's name
     for index, rid, pi, params in subs:
-        loop.submit(rid, prompts[pi][0], params, out, index, body.priority)
+        loop.submit(rid, prompts[pi][0], params, out, index, body.priority, lora)
     ids = [rid for _, rid, _, _ in subs]
     render = _Renderer(state, body, prompts, subs, chat, base, setup)
     deadline = time.perf_counter() + state.request_timeout
@@ -545,9 +596,10 @@ def _checked(item):
     """A queue item as the handler uses it: (choice, Delta), or the HTTPError that the engine's failure means."""
     if isinstance(item, HTTPError):  # the server's own answer (the drain ran out of time)
         raise item
-    if isinstance(item, BaseException):
-        raise HTTPError(400 if isinstance(item, UserError) else 500, str(item),
-                        "invalid_request_error" if isinstance(item, UserError) else "server_error")
+    if isinstance(item, BaseException):  # a UserError's status: 400, or 404 for an adapter unloaded meanwhile
+        status = getattr(item, "status", 400) if isinstance(item, UserError) else 500
+        raise HTTPError(status, str(item), {400: "invalid_request_error", 404: "not_found_error"}.get(status,
+                                                                                                   "server_error"))
     return item
 
 
@@ -699,11 +751,11 @@ class _Renderer:
                 if self.state.tokenizer is None:
                     choices[-1]["token_ids"] = self.tokens[i]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.state.served_name, "choices": choices, "usage": self._usage()}
+                "created": self.created, "model": self.body.model, "choices": choices, "usage": self._usage()}
 
     def first_chunk(self) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.state.served_name,
+                "model": self.body.model,
                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None} for i in range(self.n_choices)]}
 
@@ -712,7 +764,7 @@ class _Renderer:
         lp = list(zip(d.token_ids, d.logprobs, d.top_logprobs)) if d.logprobs else []
         finish = self.finish[i] if d.finished else None
         head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.state.served_name}
+                "created": self.created, "model": self.body.model}
         if self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats:
             head["usage"] = self._usage()
         if self.chat:
@@ -743,7 +795,7 @@ class _Renderer:
         if opts is None or not opts.include_usage:
             return None
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.state.served_name, "choices": [], "usage": self._usage()}
+                "created": self.created, "model": self.body.model, "choices": [], "usage": self._usage()}
 
 
 def _reason(engine_reason: str | None) -> str | None:

@@ -30,6 +30,15 @@ def _check(ns: argparse.Namespace) -> None:
         raise UserError("--batch-file IN.jsonl and --output OUT.jsonl go together")
     if ns.batch_file is not None and ns.dp > 1:
         raise UserError("--batch-file runs one replica: leave out --dp")
+    from paraseek.infer.cli import lora_enabled, parse_lora_modules
+
+    ns.lora_modules = parse_lora_modules(ns.lora_modules or [], "--lora-modules")
+    if lora_enabled(ns) and ns.dp > 1:
+        raise UserError("LoRA adapters with --dp > 1 are not supported: serve them from one replica (--tp for more "
+                        "GPUs)")
+    if ns.served_model_name is not None and ns.served_model_name in ns.lora_modules:
+        raise UserError(f"--lora-modules: {ns.served_model_name!r} is the base model's --served-model-name; give the "
+                        "adapter another name")
     ns.allowed_origins = _origins(ns.allowed_origins)
     for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):
         try:
@@ -86,8 +95,8 @@ def _check_address(host: str, port: int) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
-    from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_parallel, device_for, engine_config,
-                                    generation_defaults, load_tokenizer, place, spawn)
+    from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_lora_modules, check_parallel, device_for,
+                                    engine_config, generation_defaults, load_tokenizer, place, spawn)
     from paraseek.infer.load import resolve_source
 
     _check(ns)
@@ -100,6 +109,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
+    if ns.served_model_name is None and ns.model in ns.lora_modules:
+        raise UserError(f"--lora-modules: {ns.model!r} is the base model's name; give the adapter another name")
+    check_lora_modules(ns, src.args, "--lora-modules")
     max_len = engine_config(ns).context_length(src.args)
     if ns.num_kv_blocks is not None:
         check_capacity(ns.num_kv_blocks, ns.block_size, max_len, given=True)
@@ -150,7 +162,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     name = ns.served_model_name or ns.model
     state = ServerState(name, tokenizer, max_len, ns.api_key, ns.max_queue, ns.request_timeout, defaults,
-                        allowed_origins=ns.allowed_origins)
+                        allowed_origins=ns.allowed_origins, root=ns.model)
     say = lambda msg: print(f"serve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     tools = tokenizer.tool_template() if tokenizer is not None and tokenizer.chat_templates else None
     tools_why = ("no tool calls (the chat template renders no tools)" if tools is None else
@@ -304,6 +316,10 @@ def register(subparsers) -> None:
     s.add_argument("--port", type=int, default=8000, help="default 8000")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes")
     s.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    s.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters to serve from the start (PEFT folders, as `paraseek export --export-adapter` "
+                   "writes): a request whose model is NAME runs on that adapter; more can be loaded and unloaded "
+                   "while serving (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)")
     s.add_argument("--chat-template", metavar="FILE.jinja", help="use this chat template instead of the model folder's")
     s.add_argument("--max-queue", type=int, default=512,
                    help="waiting requests at most; more get 429 with Retry-After (default 512)")

@@ -79,15 +79,28 @@ class EngineLoop:
         return len(self.engine.scheduler.waiting) + self.pending
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, out: asyncio.Queue,
-               tag: int = 0, priority: int = 0) -> None:
-        """Queue a request (already checked with engine.check_request); (tag, Delta) pairs arrive on `out`, or an
-        exception if the engine failed it."""
+               tag: int = 0, priority: int = 0, lora: str | None = None) -> None:
+        """Queue a request (already checked with engine.check_request) on the base model or the LoRA adapter
+        `lora`; (tag, Delta) pairs arrive on `out`, or an exception if the engine failed it."""
         loop = asyncio.get_running_loop()
 
         def emit(item) -> None:
             self._post(loop, out.put_nowait, (tag, item) if isinstance(item, Delta) else item)
 
-        self.submit_to(request_id, prompt_ids, params, emit, priority)
+        self.submit_to(request_id, prompt_ids, params, emit, priority, lora)
+
+    async def call(self, fn):
+        """fn() on the engine thread between two steps (loading an adapter into the slots the steps read);
+        returns its result or raises its exception."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(ok: bool, value) -> None:
+            if not done.done():
+                done.set_result(value) if ok else done.set_exception(value)
+
+        self._commands.put(("call", fn, lambda ok, value: loop.call_soon_threadsafe(settle, ok, value)))
+        return await done
 
     def _post(self, loop: asyncio.AbstractEventLoop, fn, arg) -> None:
         """fn(arg) on `loop`'s thread. A step's deliveries (on the engine thread) are gathered and posted at once:
@@ -99,12 +112,12 @@ class EngineLoop:
             loop.call_soon_threadsafe(fn, arg)
 
     def submit_to(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit,
-                  priority: int = 0) -> None:
+                  priority: int = 0, lora: str | None = None) -> None:
         """Queue a request whose Deltas (or the exception that failed it) go to `emit`, from the engine thread."""
         self._outputs[request_id] = emit
         with self._lock:
             self.pending += 1
-        self._commands.put(("add", request_id, prompt_ids, params, priority))
+        self._commands.put(("add", request_id, prompt_ids, params, priority, lora))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (its client went away): its blocks are freed by the next loop turn."""
@@ -148,16 +161,23 @@ class EngineLoop:
             return
         while True:
             if cmd[0] == "add":
-                _, rid, prompt_ids, params, priority = cmd
+                _, rid, prompt_ids, params, priority, lora = cmd
                 with self._lock:
                     self.pending -= 1
                 emit = self._outputs.get(rid)
                 if emit is not None:  # not aborted meanwhile
                     try:
-                        self.engine.add_request(rid, prompt_ids, params, stream_text=True, priority=priority)
+                        self.engine.add_request(rid, prompt_ids, params, stream_text=True, priority=priority,
+                                                lora=lora)
                     except Exception as e:  # checked by the handler already; whatever slipped through is its 400
                         self._outputs.pop(rid, None)
                         emit(e)
+            elif cmd[0] == "call":
+                try:
+                    result = (True, cmd[1]())
+                except Exception as e:  # the caller's answer (a UserError is its 400/404)
+                    result = (False, e)
+                cmd[2](*result)
             elif cmd[0] == "abort":
                 req = self.engine.requests.get(cmd[1])
                 self.engine.abort(cmd[1])

@@ -175,6 +175,12 @@ class _EngineState:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
             g.add_metric(self._labels, float(stats.get(key, 0)))
             yield g
+        if "max_loras" in stats:  # vLLM's: the adapters of the running and waiting requests, valued at the time
+            g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            g.add_metric([str(stats["max_loras"]), ",".join(stats["lora_waiting"]), ",".join(stats["lora_running"])],
+                         time.time())
+            yield g
 
     def describe(self):
         return ([CounterMetricFamily(name, doc, value=0) for name, doc, _ in self.COUNTERS]

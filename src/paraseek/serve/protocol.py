@@ -206,3 +206,16 @@ class DetokenizeRequest(_Request):
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
                     "server_error", "service_unavailable"]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: str

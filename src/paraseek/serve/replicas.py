@@ -121,7 +121,8 @@ class ReplicaSet:
     def waiting(self) -> int:
         return sum(r.waiting() for r in self.replicas)
 
-    def submit(self, request_id, prompt_ids, params, out, tag=0, priority=0) -> None:
+    def submit(self, request_id, prompt_ids, params, out, tag=0, priority=0, lora=None) -> None:
+        assert lora is None, "serve refuses LoRA adapters with --dp > 1"
         loads = [len(self.local._outputs)] + [r.in_flight() for r in self.remotes]
         i = min(range(len(loads)), key=loads.__getitem__)
         if self.metrics is not None:
