@@ -51,9 +51,9 @@ def decode_batch(engine, batch: int, context: int, loras: list[str | None]):
     seen = []
     run = engine.runner.run
 
-    def spy(hb, patch=None):
+    def spy(hb, *rest):  # the runner's other argument (decode rows' input sources) passed through
         seen.append(hb)
-        return run(hb, patch)
+        return run(hb, *rest)
 
     engine.runner.run = spy
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
