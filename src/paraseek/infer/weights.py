@@ -269,12 +269,12 @@ class Share:
     def _plain(self, p: Part, dtype: torch.dtype) -> torch.Tensor:
         block = self.src.block(p.name)
         if block is None:
-            t = self.src.read(p.name, p.dim, p.start, p.length).to(device=self.device, dtype=dtype)
-            # A cut of a training model's tensor on its own device and dtype is a view of the whole: copy it, so
-            # that the whole can be freed.
-            if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                t = t.clone(memory_format=torch.contiguous_format)
-            return t
+            raw = self.src.read(p.name, p.dim, p.start, p.length)
+            t = raw.to(device=self.device, dtype=dtype)
+            # Without a conversion `to` returns the source's own memory: a view of a training model's tensor or of a
+            # file's mapping (safetensors' slices are views of it). Keeping that would keep the whole tensor, or the
+            # mapping with every page read through it, alive: copy.
+            return t.clone(memory_format=torch.contiguous_format) if t.data_ptr() == raw.data_ptr() else t
         # FP8: the whole blocks covering the part, dequantized on the device, then the part cut from them.
         start, length, size = self._full(p)
         b = block[p.dim]
