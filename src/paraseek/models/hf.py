@@ -186,7 +186,8 @@ def check_scale(key: str, dtype: torch.dtype | str, shape, scale_shape, block: t
                         "float8_e4m3fn")
     if block is None:
         raise UserError(f"{where}: {key!r} is float8_e4m3fn with a scale, but config.json has no quantization_config "
-                        "saying its weight_block_size")
+                        "saying its block size; add \"quantization_config\": {\"quant_method\": \"fp8\", "
+                        "\"weight_block_size\": [128, 128]} if its blocks are 128x128")
     want = tuple(-(-n // b) for n, b in zip(tuple(shape)[-2:], block))
     if tuple(scale_shape) != want:
         raise UserError(f"{where}: {key + '_scale_inv'!r} has shape {tuple(scale_shape)}; {tuple(shape)} in blocks of "
@@ -281,9 +282,12 @@ class HubTensors:
             if mapped is None or (key == "lm_head.weight" and args.tie_embeddings):
                 continue
             name, expert = mapped
-            if skip_mtp and name.startswith("mtp."):
-                continue
             where = self.files[key].name
+            if skip_mtp and name.startswith("mtp."):
+                if int(name.split(".")[1]) >= args.n_mtp_layers:
+                    raise UserError(f"{where}: unexpected tensor {key!r}: the config has {args.n_layers} layers and "
+                                    f"{args.n_mtp_layers} MTP layers (num_nextn_predict_layers)")
+                continue
             if name not in whole:
                 raise UserError(f"{where}: unexpected tensor {key!r}, not part of this {args.model_type} model")
             want = whole[name] if expert is None else whole[name][1:]
