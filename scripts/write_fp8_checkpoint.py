@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", help="an HF folder of bf16/fp16/fp32 weights, or with --random-weights a preset or a folder")
     p.add_argument("out", type=Path, help="the folder to write (new or empty)")
     p.add_argument("--layers", type=int, help="keep the first N decoder layers")
-    p.add_argument("--mtp-layers", type=int, help="MTP layers to write (default: the config's num_nextn_predict_layers)")
+    p.add_argument("--mtp-layers", type=int,
+                   help="MTP layers to write (default: the config's num_nextn_predict_layers)")
     p.add_argument("--random-weights", action="store_true", help="random weights of SRC's architecture")
     p.add_argument("--seed", type=int, default=0, help="random weights' seed (default 0)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",

@@ -1,5 +1,5 @@
-"""FP8 block weights in the inference engine, on CPU (the plain-torch forms; the kernels: tests/gpu/test_fp8_kernels.py):
-the FP8 projection against a float64 product of its quantized operands and against the unquantized product; the FP8
+"""FP8 block weights in the inference engine, on CPU (the plain-torch forms; the kernels:
+tests/gpu/test_fp8_kernels.py): the FP8 projection against a float64 product of its quantized operands and against the unquantized product; the FP8
 fused-MoE reference against a float64 loop; a DeepSeek-V3-shaped checkpoint written by scripts/write_fp8_checkpoint.py
 (its names, dtypes and config), loaded by slices with its FP8 blocks kept, against the same checkpoint dequantized
 (today's load_pretrained); --quantization fp8 of a bf16 folder against that FP8 folder; each tp rank's slices
@@ -134,7 +134,7 @@ def test_fused_moe_fp8_reference_against_a_float64_loop():
     assert ((got - bf).norm() / bf.norm()).item() < 0.1
 
 
-# ---- a V3-shaped FP8 checkpoint ---------------------------------------------------------------------------------------
+# ---- a V3-shaped FP8 checkpoint --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8")
@@ -192,7 +192,8 @@ def test_fp8_engine_against_the_dequantized_checkpoint(folders):
     LOGPROB_TOL; free-running, the greedy tokens are the same up to the first choice that is not clear."""
     ref = _engine(load_pretrained(folders["fp8"], dtype=torch.float32, device="cpu").eval())
     fp8 = _fp8_engine(folders["fp8"])
-    assert isinstance(fp8.runner.model.layers[1].attn.q_b, Fp8Linear) and fp8.runner.model.layers[1].mlp.w13_scale is not None
+    layer = fp8.runner.model.layers[1]
+    assert isinstance(layer.attn.q_b, Fp8Linear) and layer.mlp.w13_scale is not None
     ps = prompts()
     want = ref.generate(ps, GREEDY)
     prefixes = [p + r.output_ids[:t] for p, r in zip(ps, want) for t in range(GREEDY.max_tokens)]
@@ -275,8 +276,9 @@ def test_each_ranks_share_is_its_slice_of_the_whole(folders, tp):
         m = MoELayer(s, "layers.1", ARGS)
         per = 256 // tp
         ex, sh = "layers.1.mlp.experts.", "layers.1.mlp.shared_experts."
+        shared = torch.cat([cut(whole[sh + "gate_proj.weight"], per), cut(whole[sh + "up_proj.weight"], per)])
         w13 = torch.cat([torch.cat([cut(whole[ex + "gate_proj"], per, 1), cut(whole[ex + "up_proj"], per, 1)], 1),
-                         torch.cat([cut(whole[sh + "gate_proj.weight"], per), cut(whole[sh + "up_proj.weight"], per)])[None]])
+                         shared[None]])
         w2 = torch.cat([cut(whole[ex + "down_proj"], per, 2), cut(whole[sh + "down_proj.weight"], per, 1)[None]])
         fp8_experts = m.w13_scale is not None
         assert fp8_experts == (tp == 2)

@@ -218,7 +218,7 @@ class MoELayer:
         # Shared chunk j (the shared MLP's width is n_shared x F): gate/up rows j*F:(j+1)*F and down columns
         # j*F:(j+1)*F, each cut by tp like an expert.
         sh = f"{p}.mlp.shared_experts"
-        w13 += [[s.part(f"{sh}.gate_proj.weight", within=(j * F_, F_)), s.part(f"{sh}.up_proj.weight", within=(j * F_, F_))]
+        w13 += [[s.part(f"{sh}.{proj}.weight", within=(j * F_, F_)) for proj in ("gate_proj", "up_proj")]
                 for j in range(ns)]
         w2 += [s.part(f"{sh}.down_proj.weight", 1, within=(j * F_, F_)) for j in range(ns)]
         # [E', 2F, D] (gate rows, then up rows) and [E', D, F]; FP8: e4m3 with their block scales, else None.

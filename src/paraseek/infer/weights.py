@@ -41,7 +41,7 @@ class Part:
     length: int | None = None
 
 
-# ---- sources ----------------------------------------------------------------------------------------------------------
+# ---- sources ---------------------------------------------------------------------------------------------------------
 class ModelWeights:
     """A training model's tensors (models/deepseek.Transformer, on its device and in its dtype) by hub name. Its
     layers are dropped as the inference model takes them (`release`): afterwards the training model is empty."""
