@@ -13,9 +13,9 @@ elements). Where it runs:
   - sm90 (H100, H200), bf16 activations: torch._scaled_mm with 1 x 128 activation scales and 128 x 128 weight
     scales (cuBLASLt's VEC128 x BLK128x128 scaling; cuBLASLt >= 12.9, as torch's own tests require, and sm90 only:
     on sm100 cuBLASLt has 1-D block scales alone, aten's ScaledBlas.cpp says). Layouts it takes (its
-    is_blockwise_*_scaling): mat2 = W_q.t() (column-major), scale_a [T, G] "outer-dim-major" (stride (1, T)),
+    is_blockwise_*_scaling): mat2 = W_q.t() (column-major), scale_a [N, G] "outer-dim-major" (stride (1, N)),
     scale_b [G, ceil(O/128)] with stride (1, L4), L4 = G rounded up to a multiple of 4 (16-byte aligned rows of
-    the block scales); its inner dims must be multiples of 16. A tiny product against the reference decides at
+    the block scales); O a multiple of 16 and (here) I of 128. A small product against the reference decides at
     load whether this torch/cuBLASLt takes it (`gemm_backend`).
   - other GPUs with FP8 tensor cores (sm89 Ada, sm100/sm120 Blackwell, where cuBLASLt has no 2-D block scales),
     and sm90 shapes cuBLASLt refuses: the Triton kernel of fp8_kernels.py, the same sums.
@@ -127,7 +127,8 @@ def gemm_backend(device, O: int, I: int) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return "reference"
-    if (torch.cuda.get_device_capability(device)[0] == 9 and O % 16 == 0 and I % 16 == 0
+    # Inner dims in whole scale groups (a ragged last group of K is the Triton kernel's to mask), outputs in 16s.
+    if (torch.cuda.get_device_capability(device)[0] == 9 and O % 16 == 0 and I % BLOCK == 0
             and _scaled_mm_takes_blocks(device.index if device.index is not None else torch.cuda.current_device())):
         return "cublaslt"
     return "triton"
