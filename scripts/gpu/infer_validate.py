@@ -4,7 +4,7 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
-Groups: tests, llama8b, llama8b_latency, llama8b_tput (greedy and sampled), qwen, v2lite, v3cut (V3's first 6
+Groups: tests, llama8b, llama8b_latency, llama8b_sampled, qwen, qwen_all, v2lite_all, v3cut_latency, v2lite, v3cut (V3's first 6
 layers), v3deep (V3's architecture at 27 layers of reduced width), profiles (scripts/gpu/decode_profile.py per case,
 this code and .baseline/'s), tune (the fused-MoE configs), gemv (the decode GEMV's configs), attn_tune (the
 paged decode attention's launch configs), stress, hf (HF generate on the same requests, 8B and 1.5B;
@@ -12,7 +12,8 @@ hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`parasee
 then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the same with
 --max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile
 (the server's CPU per streamed token by thread, and py-spy's samples at concurrency 32: carry py-spy's wheel in .whl),
-lora (scripts/gpu/bench_lora_decode.py: a decode step of 64 sequences on the 8B shape with 8 rank-16 LoRA adapters
+fp8 (V3's first 6 layers as an FP8 checkpoint, FP8 kept against dequantized bf16), fp8_8b (the 8B shape with
+--quantization fp8 against bf16), lora (scripts/gpu/bench_lora_decode.py: a decode step of 64 sequences on the 8B shape with 8 rank-16 LoRA adapters
 against the base model, graphs on).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
@@ -147,6 +148,90 @@ def group_v3deep(out: Path, anchors: str) -> list[dict]:
                   "--concurrency-input", "2048", "--concurrency-output", "128")]
 
 
+# Final logits of two weight formats of one model: every position of 8 prompts of 128 random tokens, each prefilled
+# through the engine's runner; argv: MODEL, then a JSON list of the two sides' flags.
+_FP8_LOGITS = r"""
+import json, sys, numpy as np, torch
+from paraseek.cli import build_parser
+from paraseek.infer.cli import Placement, build_engine
+from paraseek.infer.load import resolve_source
+from paraseek.infer.runner import HostBatch
+model, sides = sys.argv[1], json.loads(sys.argv[2])
+def logits(flags):
+    ns = build_parser().parse_args(["generate", model, "--num-kv-blocks", "256", "--block-size", "16", *flags])
+    src = resolve_source(model, random_weights="--random-weights" in flags)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = build_engine(ns, src, Placement(device=device), log=lambda *a, **k: print(*a, file=sys.stderr))
+    out = []
+    for b in range(8):
+        ids = np.random.default_rng(b).integers(0, engine.args.vocab_size, 128)
+        n, blocks = 128, np.arange(1 + 8 * b, 9 + 8 * b)
+        slots = blocks[np.arange(n) // 16] * 16 + np.arange(n) % 16
+        p = np.arange(n)
+        out.append(engine.runner.run(HostBatch(ids, p, slots, 0, np.zeros((0, 1), np.int32), np.zeros(0, np.int32),
+                                               [(n, n)], slots, p)).float().cpu())
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return torch.cat(out)
+a, b = logits(sides[0]), logits(sides[1])
+print("FP8LOGITS " + json.dumps({"rel_l2": ((a - b).norm() / b.norm()).item(),
+                                 "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}))
+"""
+
+
+def _fp8_side(out: Path, name: str, model: str, *flags: str) -> dict:
+    """bench-infer of MODEL (batch-1 latency and offline throughput) with these weight flags."""
+    short = ["--input-len", "16:64", "--output-len", "8:32"] if V2LITE == "tiny-moe" else []  # the CPU dry run
+    rc, text = sh([PY, "-m", "paraseek", "bench-infer", model, "--json", "--workloads", "latency,throughput",
+                   "--num-requests", "300", *short, *flags], 300)
+    start = text.find("{\n")
+    try:
+        r = json.loads(text[start:text.rfind("}") + 1]) if start >= 0 else {}
+    except json.JSONDecodeError:
+        r = {}
+    r.update(name=name, rc=rc, weights_line=next((l for l in text.splitlines() if l.startswith("weights:")), ""))
+    return r
+
+
+def _fp8_compare(out: Path, name: str, model: str, fp8_flags: list[str], base_flags: list[str]) -> list[dict]:
+    results = [_fp8_side(out, f"{name}-fp8", model, *fp8_flags), _fp8_side(out, f"{name}-bf16", model, *base_flags)]
+    rc, text = sh([PY, "-c", _FP8_LOGITS, model, json.dumps([fp8_flags, base_flags])], 300)
+    line = next((l for l in text.splitlines() if l.startswith("FP8LOGITS ")), None)
+    logit = json.loads(line[10:]) if line else {}
+    (out / f"{name}-logits.txt").write_text(text[-4000:])
+    summary = []
+    for r in results:
+        lat, tput, kv = r.get("latency", {}), r.get("throughput", {}), r.get("kv_cache", {})
+        summary.append(f"{r['name']}: weights {kv.get('weights_gib', float('nan')):.2f} GiB, B1 "
+                       f"{lat.get('ms_per_token', float('nan')):.2f} ms/token, "
+                       f"{tput.get('output_tokens_per_s', float('nan')):,.0f} out tok/s")
+    summary.append(f"final logits rel L2 {logit.get('rel_l2', float('nan')):.4f}, argmax agree "
+                   f"{logit.get('argmax_agree', float('nan')):.1%} (rc {rc})")
+    return results + [{"name": f"{name} summary", "rc": rc, "lines": summary, "logits": logit}]
+
+
+def group_fp8(out: Path, anchors: str) -> list[dict]:
+    """DeepSeek-V3's config cut to 6 layers (3 dense + 3 MoE) written as an FP8 folder by
+    scripts/write_fp8_checkpoint.py (random weights, V3's names and 128x128 block scales), served with its FP8 blocks
+    kept and from its dequantized bf16 load (--quantization none): weight memory, batch-1 decode ms/token, offline
+    throughput of 300 requests, and the final logits' relative L2 between the two."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="v3fp8-")) / "v3-6layers-fp8"  # not under DIR: ~17 GB
+    v3, layers, device = ("tiny-moe", "3", "cpu") if V2LITE == "tiny-moe" else ("deepseek-v3", "6", "cuda")
+    rc, text = sh([PY, "scripts/write_fp8_checkpoint.py", v3, str(folder), "--random-weights", "--layers", layers,
+                   "--mtp-layers", "0", "--device", device], 420)
+    if rc:
+        return [{"name": "fp8 write", "rc": rc, "summary": text.strip().splitlines()[-1] if text.strip() else ""}]
+    return _fp8_compare(out, "v3cut", str(folder), ["--quantization", "fp8"], ["--quantization", "none"])
+
+
+def group_fp8_8b(out: Path, anchors: str) -> list[dict]:
+    """The R1-Distill-Llama-8B shape (random bf16 weights) quantized on load (--quantization fp8) against bf16."""
+    return _fp8_compare(out, "llama8b", LLAMA, ["--random-weights", "--quantization", "fp8"], ["--random-weights"])
+
+
 def profile_cases(out: Path, cases: str, src: Path, name: str) -> list[dict]:
     """scripts/gpu/decode_profile.py (this checkout's script) on the code of `src` for each case MODEL:BATCH:INPUT[:LAYERS]
     (LAYERS: bench-infer's --layers): engine step vs replay and the top kernels of one replay, one file per case."""
@@ -171,12 +256,6 @@ def group_profiles(out: Path, anchors: str) -> list[dict]:
     if (ROOT / ".baseline/src").is_dir() and os.environ.get("PROFILE_BASELINE_CASES"):
         rows += profile_cases(out, os.environ["PROFILE_BASELINE_CASES"], ROOT / ".baseline", "profile-before")
     return rows
-
-
-def group_llama8b_tput(out: Path, anchors: str) -> list[dict]:
-    """The 8B offline workload (1,000 requests) at default flags, greedy and sampled (temperature 0.8, top-p 0.95)."""
-    return [bench(out, "llama8b-tput", LLAMA, "--workloads", "throughput"),
-            bench(out, "llama8b-sampled", LLAMA, "--workloads", "throughput", "--temperature", "0.8", "--top-p", "0.95")]
 
 
 def group_tune(out: Path, anchors: str) -> list[dict]:

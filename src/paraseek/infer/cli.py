@@ -33,6 +33,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
                    help="weights and activations (default: bfloat16 on GPUs of sm80 and newer, float16 on older "
                    "ones, float32 on CPU)")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="default: cuda when available")
+    g.add_argument("--quantization", default="auto", choices=["auto", "fp8", "none"],
+                   help="the weights' format. auto (default): an FP8 checkpoint (DeepSeek-V3/R1's 128x128 blocks) "
+                   "keeps its FP8 weights on GPUs with FP8 (compute capability 8.9+) and loads dequantized to "
+                   "--dtype elsewhere; other checkpoints as stored. fp8: every decoder projection and expert in FP8 "
+                   "128x128 blocks, a bf16 checkpoint (or --random-weights) quantized on load, activations "
+                   "quantized per token in groups of 128 (GPUs with FP8; on CPU a slow plain-torch reference). "
+                   "none: FP8 checkpoints dequantized to --dtype")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per model replica (default 1)")
     g.add_argument("--dp", type=int, default=1, help="model replicas (data parallel), each on --tp GPUs (default 1)")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed and the default sampling seed base")
@@ -254,6 +261,16 @@ def device_for(ns: argparse.Namespace) -> str:
 def check_parallel(ns: argparse.Namespace, args, device: str) -> None:
     from paraseek.infer.tp import check_tp
 
+    if getattr(ns, "quantization", "auto") == "fp8" and device == "cuda":
+        import torch
+
+        from paraseek.infer.fp8 import has_fp8
+
+        if not has_fp8(device):
+            major, minor = torch.cuda.get_device_capability()
+            raise UserError(f"--quantization fp8: {torch.cuda.get_device_name()} (sm{major}{minor}) has no FP8 "
+                            "tensor cores (they start at compute capability 8.9: L40S, H100, H200); leave out "
+                            "--quantization to serve in --dtype")
     if ns.dp < 1:
         raise UserError(f"--dp must be >= 1, got {ns.dp}")
     check_tp(args, ns.tp)
@@ -385,17 +402,51 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     dtype = {"auto": platform.dtype, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float32": torch.float32}[ns.dtype]
     platform.check_dtype(dtype)
+    fp8, block, why = weight_format(getattr(ns, "quantization", "auto"), src, pl.device)
     t0 = time.perf_counter()
-    # The whole training model, then laid out for inference with this rank's tp share (the rest is freed).
-    model = InferenceModel.from_training(load_model(src, dtype=dtype, device=pl.device, seed=ns.seed), pl.tp_group)
+    if src.kind == "hf":  # each rank reads its share of the safetensors, slice by slice
+        model = InferenceModel.from_folder(src.path, src.args, pl.tp_group, dtype=dtype, device=pl.device,
+                                           block=block, fp8=fp8)
+    else:  # the whole training model, then laid out for inference with this rank's tp share (the rest is freed)
+        model = InferenceModel.from_training(load_model(src, dtype=dtype, device=pl.device, seed=ns.seed),
+                                             pl.tp_group, fp8=fp8)
     if pl.device.startswith("cuda"):
         torch.cuda.empty_cache()
     load_s = time.perf_counter() - t0
+    log(f"weights: {model.weights}" + (f"; {why}" if why else ""))
     tokenizer = load_tokenizer(src)
     engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
                     log=log, lora_modules=lora_modules(ns))
     engine.report.extra["load_s"] = load_s
     return engine
+
+
+def weight_format(quantization: str, src, device: str) -> tuple[bool, tuple[int, int] | None, str]:
+    """(FP8 projections?, the checkpoint's FP8 block or None, why -- for the log line) under --quantization; a
+    combination that cannot run is one line, before any weight is read."""
+    from paraseek.infer.fp8 import BLOCK, has_fp8
+    from paraseek.models.args import read_hf_config
+    from paraseek.models.hf import fp8_block_size
+
+    block = None
+    if src.kind == "hf":
+        block = fp8_block_size(read_hf_config(src.path), src.path / "config.json")
+    fp8_device = has_fp8(device)
+    if quantization == "fp8":
+        if block is not None and block != (BLOCK, BLOCK):
+            raise UserError(f"--quantization fp8: {src.path}'s FP8 weights have {list(block)} blocks and the FP8 "
+                            f"GEMMs take [{BLOCK}, {BLOCK}]; leave out --quantization to serve them dequantized")
+        return True, block, "--quantization fp8" + ("" if fp8_device else " on CPU (slow: for tests)")
+    if block is None:
+        return False, None, ""
+    if quantization == "none":
+        return False, block, "an FP8 checkpoint, dequantized (--quantization none)"
+    if block != (BLOCK, BLOCK):
+        return False, block, f"an FP8 checkpoint of {list(block)} blocks, dequantized (the FP8 GEMMs take 128x128)"
+    if not fp8_device:
+        where = "on CPU" if not str(device).startswith("cuda") else "(this GPU has no FP8 tensor cores: sm89+)"
+        return False, block, f"an FP8 checkpoint, dequantized {where}; --quantization fp8 keeps FP8"
+    return True, block, "an FP8 checkpoint, kept in FP8"
 
 
 def load_tokenizer(src):

@@ -104,7 +104,8 @@ def _from_checkpoint(spec: str, step: Path, tok: Path | None) -> ModelSource:
 
 
 def load_model(src: ModelSource, *, dtype, device, seed: int = 0):
-    """The whole model on `device` in `dtype` (tensor parallelism then cuts it, infer/tp.py)."""
+    """The whole training model on `device` in `dtype` (InferenceModel.from_training then takes this rank's share).
+    The engine reads an HF folder by slices instead (InferenceModel.from_folder); this reads it whole."""
     import torch
 
     from paraseek.models import build_model, load_pretrained

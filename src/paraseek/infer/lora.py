@@ -352,14 +352,15 @@ def attach(model, max_loras: int, max_rank: int) -> LoRASlots:
     kv_b its LatentLoRA); the model then runs each token's adapter from the step's `lora` field."""
     import torch.distributed as dist
 
-    from paraseek.infer.model import DenseAttention, DenseMLP, LatentAttention, _heads
+    from paraseek.infer.model import DenseAttention, DenseMLP, LatentAttention
+    from paraseek.infer.weights import shard
 
     a, tp = model.args, model.tp
     rank = dist.get_rank(model.tp_group) if model.tp_group is not None else 0
     slots = LoRASlots(max_loras, max_rank, a, model.device, model.dtype)
 
     def cut(unit: int = 1, dim: int = 0):
-        return lambda t: _heads(t, rank, tp, dim, unit)
+        return lambda t: shard(t, rank, tp, dim, unit)
 
     for i, L in enumerate(model.layers):
         at = L.attn

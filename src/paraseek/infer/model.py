@@ -1,8 +1,11 @@
-"""The inference model: DeepSeek-family layers built for decode from ModelArgs and the training model's weights.
+"""The inference model: DeepSeek-family layers built for decode from ModelArgs and a model's weights.
 
 The training model (models/deepseek.py) is single-device math shaped for autograd; this one is shaped for a step of
-flattened tokens over the paged cache, on one tp rank. Its weights are laid out once, at build time, for how decode
-reads them:
+flattened tokens over the paged cache, on one tp rank. Each layer reads what it keeps by name from a `Share`
+(infer/weights.py): this rank's slices of a training model's tensors or of an HF folder's safetensors, the latter
+read slice by slice without building the whole model; the layout rules below are written once, here, for both.
+Projections are `Linear`s in the model's dtype or `Fp8Linear`s (DeepSeek-V3's FP8 128 x 128 blocks, infer/fp8.py),
+the experts bf16 or FP8 stacks. Its weights are laid out once, at build time, for how decode reads them:
   - dense attention: q|k|v fused into one projection ([(H + 2G) x D, E]), so a step reads the block input once;
   - MLA (DeepSeek-V2 paper, sec. 2.1 and appendix C): the projections of the block input (q or q_a, and kv_a)
     fused; kv_b read as its two halves W_UK [H, nope, C] (absorbed into the query) and W_UV [H, C, V] (applied to
@@ -23,7 +26,8 @@ MoE layers choose their path per step by the number of token-expert slots: the f
 sort, weights read once per expert tile) up to `FUSED_MAX_SLOTS`, torch._grouped_mm over tokens sorted by expert
 beyond (prefill, large batches); off CUDA the plain-torch forms of either. The two round differently in bf16 (the
 grouped form rounds gate and up before SwiGLU, the fused one rounds their product once), so a bf16 batch that
-crosses the threshold may pick other near-tied tokens; in fp32 they agree (tests/gpu/test_infer_gpu.py).
+crosses the threshold may pick other near-tied tokens; in fp32 they agree (tests/gpu/test_infer_gpu.py). FP8
+experts always take the fused FP8 kernels (moe.fused_moe_fp8): torch._grouped_mm has no block-scaled form.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ import torch.nn.functional as F
 
 from paraseek.infer import moe, ops
 from paraseek.infer.attention import prefill_attention
-from paraseek.infer.linear import Linear
+from paraseek.infer.weights import Part, Share
 from paraseek.models.args import ModelArgs
-from paraseek.models.deepseek import MLA, MoE, Transformer, _use_grouped_mm, grouped_mm
+from paraseek.models.deepseek import MLA, Attention, Transformer, _use_grouped_mm, grouped_mm, rope_inv_freq
 
 # Token-expert slots (tokens x (K + n_shared)) up to which a MoE layer runs the fused kernels; beyond, the sorted
 # grouped GEMMs. "fused" / "grouped" force one path (tests); None: by the slot count, fused only with the kernels on.
@@ -55,12 +59,6 @@ def moe_path(slots: int, kernels: bool, grouped_gemm: bool) -> str:
     return "fused" if kernels and (slots <= FUSED_MAX_SLOTS or not grouped_gemm) else "grouped"
 
 
-def _heads(w: torch.Tensor, rank: int, tp: int, dim: int = 0, unit: int = 1) -> torch.Tensor:
-    """This rank's contiguous share of `dim` in whole units of `unit` rows (one head, one expert row...)."""
-    per = w.shape[dim] // unit // tp
-    return w.narrow(dim, rank * per * unit, per * unit)
-
-
 @dataclass
 class Norm:
     w: torch.Tensor
@@ -70,25 +68,28 @@ class Norm:
 class DenseAttention:
     """Multi-head attention with GQA and optional q/k/v/o bias over the paged K/V cache."""
 
-    def __init__(self, attn, a: ModelArgs, rank: int, tp: int):
+    def __init__(self, s: Share, p: str, a: ModelArgs):
         D = self.D = a.head_dim
+        tp, rank = s.tp, s.rank
         self.H = a.n_heads // tp
-        q_w = _heads(attn.q_proj.weight, rank, tp, 0, D)
-        q_b = _heads(attn.q_proj.bias, rank, tp, 0, D) if attn.q_proj.bias is not None else None
         if a.n_kv_heads % tp == 0:
-            kv = [(_heads(lin.weight, rank, tp, 0, D), _heads(lin.bias, rank, tp, 0, D) if lin.bias is not None else None)
-                  for lin in (attn.k_proj, attn.v_proj)]
+            kv = lambda name: s.part(name, 0, D)  # noqa: E731
+            self.G = a.n_kv_heads // tp
         else:  # fewer kv heads than ranks: rank r keeps kv head r * n_kv // tp
             h = rank * a.n_kv_heads // tp
-            kv = [(lin.weight[h * D:(h + 1) * D], lin.bias[h * D:(h + 1) * D] if lin.bias is not None else None)
-                  for lin in (attn.k_proj, attn.v_proj)]
-        self.G = kv[0][0].shape[0] // D
-        self.qkv = Linear(torch.cat([q_w, kv[0][0], kv[1][0]]).contiguous(),
-                          torch.cat([q_b, kv[0][1], kv[1][1]]).contiguous() if q_b is not None else None)
-        b = attn.o_proj.bias
-        self.o = Linear(_heads(attn.o_proj.weight, rank, tp, 1, D).contiguous(),
-                        None if b is None else (b.clone() if rank == 0 else torch.zeros_like(b)))  # bias added once
-        self.scale = attn.softmax_scale
+            kv = lambda name: Part(name, 0, h * D, D)  # noqa: E731
+            self.G = 1
+        at = f"{p}.self_attn"
+        self.qkv = s.linear([s.part(f"{at}.q_proj.weight", 0, D), kv(f"{at}.k_proj.weight"), kv(f"{at}.v_proj.weight")],
+                            [s.part(f"{at}.q_proj.bias", 0, D), kv(f"{at}.k_proj.bias"), kv(f"{at}.v_proj.bias")]
+                            if a.qkv_bias else None)
+        o_bias = None
+        if a.o_bias:  # added once: by rank 0
+            o_bias = s.tensor(s.whole(f"{at}.o_proj.bias"))
+            o_bias = o_bias if rank == 0 else torch.zeros_like(o_bias)
+        self.o = s.linear([s.part(f"{at}.o_proj.weight", 1, D)], o_bias)
+        with torch.device("meta"):
+            self.scale = Attention(a).softmax_scale
 
     def forward(self, h_NE: torch.Tensor, b, cache, i: int, rope) -> torch.Tensor:
         N, H, G, D = h_NE.shape[0], self.H, self.G, self.D
@@ -118,24 +119,36 @@ class LatentAttention:
     """Multi-head latent attention over the latent cache [S, C + R] (the normalized latent, then the roped shared
     key): absorbed for decodes, expanded through kv_b for prefill chunks."""
 
-    def __init__(self, attn: MLA, a: ModelArgs, rank: int, tp: int):
-        self.C, self.R, self.nope, self.V = attn.kv_lora_rank, attn.rope_dim, attn.nope_dim, attn.v_dim
-        self.H = a.n_heads // tp
-        self.q_lora = attn.q_lora_rank
+    # The latent's and q_lora's RMSNorms use RMSNorm's default eps, not rms_norm_eps (models/deepseek.py's MLA, as
+    # the hub's modeling_deepseek.py builds them).
+    LATENT_NORM_EPS = 1e-6
+
+    def __init__(self, s: Share, p: str, a: ModelArgs):
+        self.C, self.R, self.nope, self.V = a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim
+        self.H = a.n_heads // s.tp
+        self.q_lora = a.q_lora_rank
         qk = self.nope + self.R
-        first = attn.q_a_proj.weight if self.q_lora else _heads(attn.q_proj.weight, rank, tp, 0, qk)
-        self.in_proj = Linear(torch.cat([first, attn.kv_a_proj_with_mqa.weight]).contiguous())
+        at = f"{p}.self_attn"
+        first = s.whole(f"{at}.q_a_proj.weight") if self.q_lora else s.part(f"{at}.q_proj.weight", 0, qk)
+        self.in_proj = s.linear([first, s.whole(f"{at}.kv_a_proj_with_mqa.weight")])
         if self.q_lora:
-            self.q_a_norm = Norm(attn.q_a_layernorm.weight.detach().clone(), attn.q_a_layernorm.eps)
-            self.q_b = Linear(_heads(attn.q_b_proj.weight, rank, tp, 0, qk).contiguous())
-        self.kv_norm = Norm(attn.kv_a_layernorm.weight.detach().clone(), attn.kv_a_layernorm.eps)
-        self.kv_b_w = _heads(attn.kv_b_proj.weight, rank, tp, 0, self.nope + self.V).contiguous()
+            self.q_a_norm = Norm(s.tensor(s.whole(f"{at}.q_a_layernorm.weight")), self.LATENT_NORM_EPS)
+            self.q_b = s.linear([s.part(f"{at}.q_b_proj.weight", 0, qk)])
+        self.kv_norm = Norm(s.tensor(s.whole(f"{at}.kv_a_layernorm.weight")), self.LATENT_NORM_EPS)
+        # kv_b in the model's dtype, also from an FP8 checkpoint: decode reads it as per-head W_UK / W_UV batches
+        # (torch.bmm), prefill through F.linear. Dequantizing is exact -- W_e4m3 * scale_inv blockwise is the
+        # weight the checkpoint means, as DeepSeek-V3's inference/model.py also dequantizes wkv_b for its absorbed
+        # MLA -- rounded once to the model's dtype; it costs 2x kv_b's FP8 bytes (32 MiB a layer on V3, 1.5% of
+        # an FP8 layer's weights).
+        self.kv_b_w = s.tensor(s.part(f"{at}.kv_b_proj.weight", 0, self.nope + self.V))
         # Views of kv_b (one copy in memory; cuBLAS reads the strided and transposed batches as they are):
         w_HXC = self.kv_b_w.view(self.H, self.nope + self.V, self.C)
         self.w_uk_HDC = w_HXC[:, :self.nope]  # q_nope -> latent space (absorbed into the query)
         self.w_uv_HCV = w_HXC[:, self.nope:].transpose(1, 2)  # attended latent -> each head's value
-        self.o = Linear(_heads(attn.o_proj.weight, rank, tp, 1, self.V).contiguous())
-        self.scale, self.interleave = attn.softmax_scale, attn.interleave
+        self.o = s.linear([s.part(f"{at}.o_proj.weight", 1, self.V)])
+        with torch.device("meta"):
+            mla = MLA(a)
+        self.scale, self.interleave = mla.softmax_scale, mla.interleave
         self.kv_b_lora = None  # infer/lora.LatentLoRA: kv_b's adapters, in each form kv_b is read
 
     def forward(self, h_NE: torch.Tensor, b, cache, i: int, rope) -> torch.Tensor:
@@ -189,10 +202,9 @@ class LatentAttention:
 class DenseMLP:
     """SwiGLU with gate|up fused: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, mlp, rank: int, tp: int):
-        self.gate_up = Linear(torch.cat([_heads(mlp.gate_proj.weight, rank, tp),
-                                         _heads(mlp.up_proj.weight, rank, tp)]).contiguous())
-        self.down = Linear(_heads(mlp.down_proj.weight, rank, tp, 1).contiguous())
+    def __init__(self, s: Share, p: str):
+        self.gate_up = s.linear([s.part(f"{p}.mlp.gate_proj.weight"), s.part(f"{p}.mlp.up_proj.weight")])
+        self.down = s.linear([s.part(f"{p}.mlp.down_proj.weight", 1)])
 
     def forward(self, h_NE: torch.Tensor) -> torch.Tensor:
         return self.down(ops.silu_mul(self.gate_up(h_NE)))
@@ -202,29 +214,24 @@ class MoELayer:
     """DeepSeekMoE for inference: routing in fp32 from a cached fp32 router weight, then routed and shared experts
     together, either fused (few slots) or as sorted grouped GEMMs (many)."""
 
-    def __init__(self, mlp: MoE, a: ModelArgs, rank: int, tp: int):
+    def __init__(self, s: Share, p: str, a: ModelArgs):
         self.a = a
         self.E, self.K = a.n_routed_experts, a.n_activated_experts
-        g = mlp.gate
-        self.router_w32 = g.weight.detach().float().contiguous()
-        bias = g.e_score_correction_bias
-        self.bias_E = bias.detach().float().contiguous() if bias is not None else None
-        ex = mlp.experts
-        gate, up, down = ex.gate_proj, ex.up_proj, ex.down_proj  # [E, F, D], [E, F, D], [E, D, F]
-        F_ = gate.shape[1]
-        gate_l, up_l, down_l = _heads(gate, rank, tp, 1), _heads(up, rank, tp, 1), _heads(down, rank, tp, 2)
-        self.n_shared = 0
-        if mlp.shared_experts is not None:
-            s = mlp.shared_experts
-            ns = s.gate_proj.weight.shape[0] // F_  # the shared MLP's width is n_shared x F
-            self.n_shared = ns
-            # Shared chunk j: gate/up rows j*F:(j+1)*F and down columns j*F:(j+1)*F, each cut by tp like an expert.
-            sg = torch.stack([_heads(c, rank, tp) for c in s.gate_proj.weight.split(F_, 0)])
-            su = torch.stack([_heads(c, rank, tp) for c in s.up_proj.weight.split(F_, 0)])
-            sd = torch.stack([_heads(c, rank, tp, 1) for c in s.down_proj.weight.split(F_, 1)])
-            gate_l, up_l, down_l = torch.cat([gate_l, sg]), torch.cat([up_l, su]), torch.cat([down_l, sd])
-        self.w13_EXD = torch.cat([gate_l, up_l], dim=1).contiguous()  # [E', 2F, D]: gate rows, then up rows
-        self.w2_EDF = down_l.contiguous()
+        self.router_w32 = s.tensor(s.whole(f"{p}.mlp.gate.weight"), torch.float32)
+        self.bias_E = (s.tensor(s.whole(f"{p}.mlp.gate.e_score_correction_bias"), torch.float32)
+                       if a.topk_method == "noaux_tc" else None)
+        ex, F_ = f"{p}.mlp.experts", a.moe_inter_dim
+        w13 = [[s.part(f"{ex}.{e}.gate_proj.weight"), s.part(f"{ex}.{e}.up_proj.weight")] for e in range(self.E)]
+        w2 = [s.part(f"{ex}.{e}.down_proj.weight", 1) for e in range(self.E)]
+        self.n_shared = ns = a.n_shared_experts
+        # Shared chunk j (the shared MLP's width is n_shared x F): gate/up rows j*F:(j+1)*F and down columns
+        # j*F:(j+1)*F, each cut by tp like an expert.
+        sh = f"{p}.mlp.shared_experts"
+        w13 += [[s.part(f"{sh}.{proj}.weight", within=(j * F_, F_)) for proj in ("gate_proj", "up_proj")]
+                for j in range(ns)]
+        w2 += [s.part(f"{sh}.down_proj.weight", 1, within=(j * F_, F_)) for j in range(ns)]
+        # [E', 2F, D] (gate rows, then up rows) and [E', D, F]; FP8: e4m3 with their block scales, else None.
+        self.w13_EXD, self.w13_scale, self.w2_EDF, self.w2_scale = s.experts(w13, w2)
 
     def route(self, h_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a
@@ -235,6 +242,9 @@ class MoELayer:
 
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
         w_NK, idx_NK = self.route(h_ND)
+        if self.w13_scale is not None:  # FP8 experts: the fused kernels (or their reference) at every batch size
+            return moe.fused_moe_fp8(h_ND, self.w13_EXD, self.w13_scale, self.w2_EDF, self.w2_scale, w_NK, idx_NK,
+                                     self.n_shared)
         slots = h_ND.shape[0] * (self.K + self.n_shared)
         if moe_path(slots, ops.kernels_on(), _use_grouped_mm(h_ND)) == "fused":
             return moe.fused_moe(h_ND, self.w13_EXD, self.w2_EDF, w_NK, idx_NK, self.n_shared)
@@ -288,38 +298,70 @@ class InferenceModel:
         self.device, self.dtype = embed_w.device, embed_w.dtype
         self.rope: Rope | None = None
         self.lora = None  # infer/lora.LoRASlots once adapters are attached (lora.attach)
+        self.weights = ""  # what the projections are (dtype, FP8 blocks kept or quantized), for the log line
 
     @classmethod
     @torch.no_grad()
-    def from_training(cls, model: Transformer, tp_group=None) -> InferenceModel:
-        """Lay out a whole training model's weights for inference, taking this rank's tp share. The training model
-        is emptied layer by layer as it goes (peak memory: the model plus one layer's fused copy): it cannot be
-        used afterwards."""
+    def from_training(cls, model: Transformer, tp_group=None, fp8: bool = False) -> InferenceModel:
+        """Lay out a whole training model's weights for inference, taking this rank's tp share (`fp8`: every
+        projection and expert quantized to FP8 128 x 128 blocks). The training model is emptied layer by layer as
+        it goes (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
+        from paraseek.infer.weights import ModelWeights
+
+        w = model.embed_tokens.weight
+        out = cls.build(ModelWeights(model), model.args, tp_group, w.dtype, w.device, fp8)
+        model.mtp = None  # the MTP modules are not run by the engine
+        return out
+
+    @classmethod
+    @torch.no_grad()
+    def from_folder(cls, folder, args: ModelArgs, tp_group=None, *, dtype: torch.dtype, device,
+                    block: tuple[int, int] | None = None, fp8: bool = False,
+                    map_budget: int = 1 << 30) -> InferenceModel:
+        """Read an HF folder's safetensors straight into this rank's layout, slice by slice (each rank reads only
+        what it keeps; the whole model is never built). `block`: the FP8 weight block of its quantization_config.
+        `fp8`: keep its FP8 blocks (or quantize a bf16 checkpoint's projections); otherwise FP8 weights are
+        dequantized to `dtype`. `map_budget`: models.hf.HubTensors'."""
+        from paraseek.infer.weights import FolderWeights
+
+        src = FolderWeights(folder, args, block, map_budget)
+        try:
+            return cls.build(src, args, tp_group, dtype, device, fp8)
+        finally:
+            src.close()
+
+    @classmethod
+    def build(cls, source, a: ModelArgs, tp_group, dtype: torch.dtype, device, fp8: bool) -> InferenceModel:
+        """The layers from `source` (infer/weights.py), each layer's share read and laid out before the next."""
         from paraseek.infer.tp import check_tp
 
-        a = model.args
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         check_tp(a, tp)
         rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        s = Share(source, rank, tp, dtype, torch.device(device), fp8)
         layers = []
-        for key in list(model.layers.keys()):
-            blk = model.layers[key]
-            attn = (LatentAttention(blk.self_attn, a, rank, tp) if isinstance(blk.self_attn, MLA)
-                    else DenseAttention(blk.self_attn, a, rank, tp))
-            mlp = MoELayer(blk.mlp, a, rank, tp) if isinstance(blk.mlp, MoE) else DenseMLP(blk.mlp, rank, tp)
-            layers.append(Layer(attn, mlp, Norm(blk.input_layernorm.weight.detach().clone(), blk.input_layernorm.eps),
-                                Norm(blk.post_attention_layernorm.weight.detach().clone(), blk.post_attention_layernorm.eps)))
-            del model.layers[key]  # frees the training layer's weights (the fused copies hold their own)
-        head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
-        if tp > 1:
-            pad = -head.shape[0] % tp  # vocabularies that tp does not divide: zero rows, their logits cut after
-            if pad:
-                head = torch.cat([head, head.new_zeros((pad, head.shape[1]))])
-            head = _heads(head, rank, tp).contiguous()
-        embed = model.embed_tokens.weight.detach()
-        out = cls(a, layers, embed, Norm(model.norm.weight.detach().clone(), model.norm.eps), head.detach(),
-                  model.rope_inv_freq.detach().clone(), model.rope_attn_factor, tp_group)
-        model.mtp = None  # the MTP modules are not run by the engine
+        for i in range(a.n_layers):
+            p = f"layers.{i}"
+            attn = LatentAttention(s, p, a) if a.is_mla else DenseAttention(s, p, a)
+            mlp = MoELayer(s, p, a) if a.is_moe_layer(i) else DenseMLP(s, p)
+            layers.append(Layer(attn, mlp, Norm(s.tensor(s.whole(f"{p}.input_layernorm.weight")), a.norm_eps),
+                                Norm(s.tensor(s.whole(f"{p}.post_attention_layernorm.weight")), a.norm_eps)))
+            s.release(p)
+        embed = s.tensor(s.whole("embed_tokens.weight"))
+        head_name = "embed_tokens.weight" if a.tie_embeddings else "lm_head.weight"
+        if tp == 1:
+            head = embed if a.tie_embeddings else s.tensor(s.whole(head_name))
+        else:  # by vocabulary; one that tp does not divide gets zero rows, their logits cut after the gather
+            per = -(-a.vocab_size // tp)
+            start = rank * per
+            head = torch.zeros((per, a.dim), dtype=dtype, device=s.device)
+            if start < a.vocab_size:
+                rows = min(per, a.vocab_size - start)
+                head[:rows] = s.tensor(Part(head_name, 0, start, rows))
+        inv_freq, attn_factor = rope_inv_freq(a)
+        out = cls(a, layers, embed, Norm(s.tensor(s.whole("norm.weight")), a.norm_eps), head, inv_freq,
+                  attn_factor, tp_group)
+        out.weights = s.summary()
         return out
 
     def set_positions(self, positions: int) -> None:
@@ -337,7 +379,7 @@ class InferenceModel:
             dense += size(L.in_norm.w, L.post_norm.w) + L.attn.decode_bytes()
             if isinstance(L.mlp, MoELayer):
                 m = L.mlp
-                experts = size(m.w13_EXD, m.w2_EDF)
+                experts = size(m.w13_EXD, m.w2_EDF, m.w13_scale, m.w2_scale)
                 routed += experts * m.E // (m.E + m.n_shared)
                 dense += experts - experts * m.E // (m.E + m.n_shared) + size(m.router_w32, m.bias_E)
             else:

@@ -160,21 +160,69 @@ def fused_moe(x_ND: torch.Tensor, w13_EXD: torch.Tensor, w2_EDF: torch.Tensor, w
         from paraseek.infer import moe_kernels
 
         return moe_kernels.fused_moe(x_ND, w13_EXD, w2_EDF, weights_NK, idx_NK, n_shared, config)
-    N, D = x_ND.shape
-    E, X, _ = w13_EXD.shape
-    F_ = X // 2
+
+    def expert(e: int, x_MD: torch.Tensor) -> torch.Tensor:
+        w13 = w13_EXD[e].float()
+        F_ = w13.shape[0] // 2
+        h_MF = (F.silu(x_MD @ w13[:F_].t()) * (x_MD @ w13[F_:].t())).to(x_ND.dtype)
+        return h_MF.float() @ w2_EDF[e].float().t()
+
+    return _combine_experts(x_ND.float(), expert, weights_NK, idx_NK, n_shared, w13_EXD.shape[0], x_ND.dtype)
+
+
+def fused_moe_fp8(x_ND: torch.Tensor, w13_EXD: torch.Tensor, w13_scale: torch.Tensor, w2_EDF: torch.Tensor,
+                  w2_scale: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, n_shared: int = 0,
+                  config: dict | None = None) -> torch.Tensor:
+    """`fused_moe` with the experts in DeepSeek-V3's FP8 format (infer/fp8.py): w13_EXD and w2_EDF float8 e4m3 with
+    one fp32 scale per 128 x 128 block of each expert's matrix, w13_scale [E, ceil(2F/128), ceil(D/128)] (one grid
+    over the 2F gate|up rows) and w2_scale [E, ceil(D/128), ceil(F/128)]. Activations are quantized per token in
+    1 x 128 groups (fp8.quantize_1x128): x once per token; h = silu(x W_gate^T) * (x W_up^T) from the quantized x,
+    accumulated in fp32 and rounded to x's dtype, then quantized per slot row; y = w_slot * h W2^T in fp32; the
+    slots summed in slot order, rounded to x's dtype at the end. The reference computes each product in fp32 from
+    the dequantized values; the kernels of moe_kernels.py scale each 128-wide partial sum instead (the same sums)."""
+    _check_moe_args(x_ND, w13_EXD, w2_EDF, weights_NK, idx_NK, n_shared)
+    _check_fp8_scales(w13_EXD, w13_scale, w2_EDF, w2_scale)
+    if ops.kernels_on():
+        from paraseek.infer import moe_kernels
+
+        return moe_kernels.fused_moe_fp8(x_ND, w13_EXD, w13_scale, w2_EDF, w2_scale, weights_NK, idx_NK, n_shared,
+                                         config)
+    from paraseek.infer.fp8 import dequantize_1x128, dequantize_fp8, quantize_1x128
+
+    def expert(e: int, x_MD: torch.Tensor) -> torch.Tensor:
+        w13 = dequantize_fp8(w13_EXD[e], w13_scale[e])
+        F_ = w13.shape[0] // 2
+        h_MF = (F.silu(x_MD @ w13[:F_].t()) * (x_MD @ w13[F_:].t())).to(x_ND.dtype)
+        return dequantize_1x128(*quantize_1x128(h_MF)) @ dequantize_fp8(w2_EDF[e], w2_scale[e]).t()
+
+    x32_ND = dequantize_1x128(*quantize_1x128(x_ND))
+    return _combine_experts(x32_ND, expert, weights_NK, idx_NK, n_shared, w13_EXD.shape[0], x_ND.dtype)
+
+
+def _check_fp8_scales(w13_EXD, w13_scale, w2_EDF, w2_scale) -> None:
+    E, X, D = w13_EXD.shape
+    cdiv = lambda n: -(-n // 128)  # noqa: E731
+    want = ((E, cdiv(X), cdiv(D)), (E, cdiv(D), cdiv(X // 2)))
+    for name, w, s, shape in (("w13", w13_EXD, w13_scale, want[0]), ("w2", w2_EDF, w2_scale, want[1])):
+        if w.dtype != torch.float8_e4m3fn or s.dtype != torch.float32 or tuple(s.shape) != shape:
+            raise ValueError(f"fused_moe_fp8: {name} must be float8_e4m3fn with float32 block scales {shape}, got "
+                             f"{w.dtype} and {s.dtype} {tuple(s.shape)}")
+
+
+def _combine_experts(x32_ND: torch.Tensor, expert, weights_NK: torch.Tensor, idx_NK: torch.Tensor, n_shared: int,
+                     E: int, dtype: torch.dtype) -> torch.Tensor:
+    """The reference's slot loop: expert(e, x rows of the slots that chose e) -> their fp32 outputs, each weighted,
+    summed per token slot by slot (the order the combine kernel sums in), rounded to `dtype`."""
+    N, D = x32_ND.shape
     expert_NS = slot_experts(idx_NK, n_shared, E)
     w_NS = torch.cat([weights_NK.float(), weights_NK.new_ones(N, n_shared, dtype=torch.float32)], dim=1)
-    y_NSD = torch.zeros(N, expert_NS.shape[1], D, dtype=torch.float32, device=x_ND.device)
+    y_NSD = torch.zeros(N, expert_NS.shape[1], D, dtype=torch.float32, device=x32_ND.device)
     for e in range(E):  # every expert once, on the rows of the slots that chose it
         tok, j = (expert_NS == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        w13 = w13_EXD[e].float()
-        x_MD = x_ND[tok].float()
-        h_MF = (F.silu(x_MD @ w13[:F_].t()) * (x_MD @ w13[F_:].t())).to(x_ND.dtype)
-        y_NSD[tok, j] = (h_MF.float() @ w2_EDF[e].float().t()) * w_NS[tok, j, None]
+        y_NSD[tok, j] = expert(e, x32_ND[tok]) * w_NS[tok, j, None]
     out_ND = y_NSD[:, 0]
     for s in range(1, y_NSD.shape[1]):  # slot by slot, the order the combine kernel sums in
         out_ND = out_ND + y_NSD[:, s]
-    return out_ND.to(x_ND.dtype)
+    return out_ND.to(dtype)

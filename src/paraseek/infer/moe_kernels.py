@@ -383,3 +383,160 @@ def fused_moe(x_ND: torch.Tensor, w13_EXD: torch.Tensor, w2_EDF: torch.Tensor, w
     _combine_kernel[(N, triton.cdiv(D, block_d))](y_SD, out_ND, y_SD.stride(0), out_ND.stride(0), D, KS=KS,
                                                   BLOCK_D=block_d, num_warps=4 if block_d >= 512 else 1)
     return out_ND
+
+
+# ---- experts in FP8 -------------------------------------------------------------------------------------------------
+# moe.fused_moe_fp8's kernels: the gate_up and down programs above, with float8 e4m3 operands (activations quantized
+# per token in 1 x 128 groups beforehand, fp8.quantize_1x128) and each BLOCK_K step's product scaled by the rows'
+# activation scales and the columns' weight-block scales before it joins the fp32 accumulator (BLOCK_K divides 128,
+# so a step lies in one scale group). tl.dot accumulates the step's e4m3 products in fp32 on the tensor cores.
+@triton.jit(do_not_specialize=["S"])
+def _gate_up_fp8_kernel(x_ptr, xs_ptr, w13_ptr, ws_ptr, h_ptr, sorted_ptr, tile_ptr,
+                        stride_xn, stride_xsn, stride_xsg, stride_we, stride_wx, stride_wd, stride_se, stride_sx,
+                        stride_sg, stride_h, S, D, F,
+                        KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, GROUP: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.load(tile_ptr + tile)
+    if e < 0:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot_m = tl.load(sorted_ptr + offs_m)
+    valid_m = slot_m < S
+    token_m = tl.where(valid_m, slot_m // KS, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < F
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_rows = x_ptr + token_m[:, None] * stride_xn + offs_k[None, :]
+    xs_rows = xs_ptr + token_m * stride_xsn
+    wg = w13_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wx + offs_k[:, None] * stride_wd
+    wu = wg + F * stride_wx
+    # One block grid over the 2F gate|up rows: gate row n is in block row n // 128, up row n in (F + n) // 128.
+    sg_rows = ws_ptr + e.to(tl.int64) * stride_se + (offs_n // GROUP) * stride_sx
+    su_rows = ws_ptr + e.to(tl.int64) * stride_se + ((F + offs_n) // GROUP) * stride_sx
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            x_mk = tl.load(x_rows, mask=valid_m[:, None], other=0.0)
+            g_kn = tl.load(wg, mask=mask_n[None, :], other=0.0)
+            u_kn = tl.load(wu, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < D - k0
+            x_mk = tl.load(x_rows, mask=valid_m[:, None] & mask_k[None, :], other=0.0)
+            g_kn = tl.load(wg, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            u_kn = tl.load(wu, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        g = k0 // GROUP
+        xs_m = tl.load(xs_rows + g * stride_xsg, mask=valid_m, other=0.0)[:, None]
+        gs_n = tl.load(sg_rows + g * stride_sg, mask=mask_n, other=0.0)[None, :]
+        us_n = tl.load(su_rows + g * stride_sg, mask=mask_n, other=0.0)[None, :]
+        acc_g += tl.dot(x_mk, g_kn) * xs_m * gs_n
+        acc_u += tl.dot(x_mk, u_kn) * xs_m * us_n
+        x_rows += BLOCK_K
+        wg += BLOCK_K * stride_wd
+        wu += BLOCK_K * stride_wd
+    h_mn = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_n[None, :], h_mn.to(h_ptr.dtype.element_ty),
+             mask=valid_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["S"])
+def _down_fp8_kernel(h_ptr, hs_ptr, w2_ptr, ws_ptr, wt_ptr, y_ptr, sorted_ptr, tile_ptr,
+                     stride_h, stride_hsp, stride_hsg, stride_we, stride_wd, stride_wf, stride_se, stride_sd,
+                     stride_sg, stride_wt, stride_y, S, D, F,
+                     K: tl.constexpr, KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.load(tile_ptr + tile)
+    if e < 0:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot_m = tl.load(sorted_ptr + offs_m)
+    valid_m = slot_m < S
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+
+    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+    hs_rows = hs_ptr + offs_m.to(tl.int64) * stride_hsp
+    w_cols = (w2_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wd
+              + offs_k[:, None] * stride_wf)
+    s_rows = ws_ptr + e.to(tl.int64) * stride_se + (offs_n // GROUP) * stride_sd
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        if EVEN_K:
+            h_mk = tl.load(h_rows, mask=valid_m[:, None], other=0.0)
+            w_kn = tl.load(w_cols, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < F - k0
+            h_mk = tl.load(h_rows, mask=valid_m[:, None] & mask_k[None, :], other=0.0)
+            w_kn = tl.load(w_cols, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        g = k0 // GROUP
+        hs_m = tl.load(hs_rows + g * stride_hsg, mask=valid_m, other=0.0)
+        ws_n = tl.load(s_rows + g * stride_sg, mask=mask_n, other=0.0)
+        acc += tl.dot(h_mk, w_kn) * hs_m[:, None] * ws_n[None, :]
+        h_rows += BLOCK_K
+        w_cols += BLOCK_K * stride_wf
+
+    j_m = slot_m % KS
+    routed_m = valid_m & (j_m < K)
+    wt_m = tl.load(wt_ptr + (slot_m // KS).to(tl.int64) * stride_wt + j_m, mask=routed_m, other=1.0)
+    acc = acc * wt_m.to(tl.float32)[:, None]
+    tl.store(y_ptr + slot_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc,
+             mask=valid_m[:, None] & mask_n[None, :])
+
+
+def fp8_config(cfg: dict, xq_ND: torch.Tensor) -> dict:
+    """A bf16 tile config made fit for the FP8 kernels: BLOCK_K at most one scale group (128), and at least 32 on
+    the GPU (FP8 tensor-core MMAs take K >= 32); stages fitted to shared memory at one byte an element."""
+    cfg = dict(cfg)
+    cfg["BLOCK_K"] = min(int(cfg["BLOCK_K"]), 128)
+    if xq_ND.is_cuda:
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], 32)
+    return _fit_config(cfg, xq_ND)
+
+
+def fused_moe_fp8(x_ND: torch.Tensor, w13_EXD: torch.Tensor, w13_scale: torch.Tensor, w2_EDF: torch.Tensor,
+                  w2_scale: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, n_shared: int = 0,
+                  config: dict | None = None) -> torch.Tensor:
+    from paraseek.infer.fp8 import BLOCK, quantize_1x128
+
+    moe._check_moe_args(x_ND, w13_EXD, w2_EDF, weights_NK, idx_NK, n_shared)
+    N, D = x_ND.shape
+    E, X, _ = w13_EXD.shape
+    F_ = X // 2
+    K = idx_NK.shape[1]
+    KS = K + n_shared
+    S = N * KS
+    out_ND = torch.empty((N, D), device=x_ND.device, dtype=x_ND.dtype)
+    if N == 0:
+        return out_ND
+    xq_ND, xs_NG = quantize_1x128(x_ND)
+    cfg = fp8_config(config if config is not None else moe.moe_config(N, KS, E, F_, D), xq_ND)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    weights_NK = weights_NK if weights_NK.stride(-1) == 1 else weights_NK.contiguous()
+    idx_NK = idx_NK if idx_NK.dtype == torch.int32 else idx_NK.to(torch.int32)
+
+    sorted_P, tile_expert_T = align_slots(idx_NK, n_shared, E, bm)
+    T = tile_expert_T.shape[0]
+    P = sorted_P.shape[0]
+    h_PF = torch.empty((P, F_), device=x_ND.device, dtype=x_ND.dtype)
+    _gate_up_fp8_kernel[(T, triton.cdiv(F_, bn))](
+        xq_ND, xs_NG, w13_EXD, w13_scale, h_PF, sorted_P, tile_expert_T,
+        xq_ND.stride(0), xs_NG.stride(0), xs_NG.stride(1), w13_EXD.stride(0), w13_EXD.stride(1), w13_EXD.stride(2),
+        w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), h_PF.stride(0), S, D, F_,
+        KS=KS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=D % bk == 0, GROUP=BLOCK, **launch)
+    # Every position row is quantized, the padding rows (never written, never read back) included: a fixed shape.
+    hq_PF, hs_PG = quantize_1x128(h_PF)
+    y_SD = torch.empty((S, D), device=x_ND.device, dtype=torch.float32)
+    _down_fp8_kernel[(T, triton.cdiv(D, bn))](
+        hq_PF, hs_PG, w2_EDF, w2_scale, weights_NK, y_SD, sorted_P, tile_expert_T,
+        hq_PF.stride(0), hs_PG.stride(0), hs_PG.stride(1), w2_EDF.stride(0), w2_EDF.stride(1), w2_EDF.stride(2),
+        w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), weights_NK.stride(0), y_SD.stride(0), S, D, F_,
+        K=K, KS=KS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=F_ % bk == 0, GROUP=BLOCK, **launch)
+    block_d = min(_pow2(D), 1024)
+    _combine_kernel[(N, triton.cdiv(D, block_d))](y_SD, out_ND, y_SD.stride(0), out_ND.stride(0), D, KS=KS,
+                                                  BLOCK_D=block_d, num_warps=4 if block_d >= 512 else 1)
+    return out_ND

@@ -4,8 +4,13 @@ Our parameter names are the hub's without the `model.` prefix, except that route
 ([E, out, in], one grouped GEMM) where the hub stores one Linear per expert, and that V3's MTP layers
 (`model.layers.{n_layers + k}`: enorm, hnorm, eh_proj, shared_head.norm and the block's own names, plus copies of
 the embedding and the head) live in `mtp.{k}` -- for every family: a Llama or Qwen2 model trained with
---mtp-layers is written in V3's layout too, with num_nextn_predict_layers in its config.json. FP8 block-quantized
-weights (`weight_scale_inv`) are dequantized on load.
+--mtp-layers is written in V3's layout too, with num_nextn_predict_layers in its config.json.
+
+FP8 block-quantized checkpoints (DeepSeek-V3/R1 as they ship; config.json's quantization_config {"quant_method":
+"fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}) store each decoder linear weight W [O, I] as float8 e4m3
+values with `<name>_scale_inv`, one fp32 scale per block: W = W_e4m3 * scale_inv blockwise (DeepSeek-V3's
+inference/kernel.py weight_dequant). `load_state_into` dequantizes them; `HubTensors` reads any slice of a folder's
+tensors, e4m3 values and scales as stored, for the inference model's sharded loading (infer/weights.py).
 """
 
 from __future__ import annotations
@@ -103,12 +108,90 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return files
 
 
-def dequantize_fp8(w_OI: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """DeepSeek-V3 FP8 weights: e4m3 values times one fp32 scale per [128, 128] block (scale_inv [ceil(O/128),
-    ceil(I/128)])."""
-    O, I = w_OI.shape
-    s = scale_inv.float().repeat_interleave(block[0], 0)[:O].repeat_interleave(block[1], 1)[:, :I]
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size: the only block the FP8 GEMMs of infer/fp8.py take
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_FLOOR = 1e-12  # the smallest amax a scale is made from: an all-zero block or row quantizes to zeros, not NaN
+
+
+def dequantize_fp8(w_OI: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+    """DeepSeek-V3 FP8 weights: e4m3 values times one fp32 scale per [block[0], block[1]] block (scale_inv
+    [..., ceil(O/b0), ceil(I/b1)]), in fp32. Leading dims (stacked experts) are kept."""
+    O, I = w_OI.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block[0], -2)[..., :O, :].repeat_interleave(block[1], -1)[..., :I]
     return w_OI.float() * s
+
+
+def quantize_fp8(w_OI: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse in DeepSeek-V3's recipe (technical report sec. 3.3.2, fine-grained quantization): per block,
+    scale_inv = amax / 448 and W_e4m3 = W / scale_inv, so each block's largest magnitude maps to e4m3's largest
+    finite value. -> (e4m3 [..., O, I], fp32 scale_inv [..., ceil(O/b0), ceil(I/b1)]). Leading dims are kept."""
+    *lead, O, I = w_OI.shape
+    b0, b1 = block
+    Ob, Ib = -(-O // b0), -(-I // b1)
+    w = w_OI.float()
+    if Ob * b0 != O or Ib * b1 != I:  # ragged edge blocks: zeros do not change a block's amax
+        w = torch.nn.functional.pad(w, (0, Ib * b1 - I, 0, Ob * b0 - O))
+    blocks = w.view(*lead, Ob, b0, Ib, b1)
+    scale_inv = blocks.abs().amax(dim=(-3, -1)).clamp_min(SCALE_FLOOR) / E4M3_MAX
+    q = (blocks / scale_inv[..., :, None, :, None]).view(w.shape)[..., :O, :I].to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+_FP8_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?\w+_proj(_with_mqa)?\.weight$")
+
+
+def is_fp8_weight(key: str) -> bool:
+    """Is the hub tensor `key` one a DeepSeek-V3/R1 checkpoint stores in FP8: every decoder linear weight (attention
+    q/q_a/q_b/kv_a_proj_with_mqa/kv_b/o_proj, k/v_proj of other families; every MLP, expert and shared-expert
+    gate/up/down), not the embedding, the head, the norms, the router gate, its bias or MTP's eh_proj."""
+    return bool(_FP8_WEIGHT.match(key))
+
+
+def fp8_block_size(cfg: dict[str, Any], where: str | Path) -> tuple[int, int] | None:
+    """The weight block of a config.json's FP8 quantization_config ((128, 128) for DeepSeek-V3/R1), None without
+    one; a quantization this loader does not read is one line."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    where = f"{where}: quantization_config"
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise UserError(f"{where} has quant_method {method!r}: paraseek reads bf16/fp16/fp32 checkpoints and FP8 "
+                        "block-quantized ones (quant_method \"fp8\", as DeepSeek-V3/R1 ship)")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise UserError(f"{where} has fmt {quant.get('fmt')!r}: the FP8 weights read are e4m3 (float8_e4m3fn)")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise UserError(f"{where} has activation_scheme {quant.get('activation_scheme')!r}: only \"dynamic\" "
+                        "(activations quantized on the fly, per token) is read")
+    block = quant.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise UserError(f"{where} has weight_block_size {block!r}: expected two positive integers such as "
+                        "[128, 128] (per-block weight scales)")
+    return int(block[0]), int(block[1])
+
+
+def check_scale(key: str, dtype: torch.dtype | str, shape, scale_shape, block: tuple[int, int] | None,
+                where: str) -> None:
+    """An FP8 weight and its scale_inv agree with each other and with the config (one line otherwise): float8 values
+    need a scale (and the config's block size), a scale needs float8 values, and it has one entry per block."""
+    fp8 = str(dtype).removeprefix("torch.") in ("float8_e4m3fn", "F8_E4M3")
+    if fp8 and scale_shape is None:
+        raise UserError(f"{where}: {key!r} is float8_e4m3fn but its scale {key + '_scale_inv'!r} is missing; the "
+                        "download may be incomplete")
+    if scale_shape is None:
+        return
+    if not fp8:
+        raise UserError(f"{where}: {key!r} has a scale {key + '_scale_inv'!r} but is stored as {dtype}, not "
+                        "float8_e4m3fn")
+    if block is None:
+        raise UserError(f"{where}: {key!r} is float8_e4m3fn with a scale, but config.json has no quantization_config "
+                        "saying its block size; add \"quantization_config\": {\"quant_method\": \"fp8\", "
+                        "\"weight_block_size\": [128, 128]} if its blocks are 128x128")
+    want = tuple(-(-n // b) for n, b in zip(tuple(shape)[-2:], block))
+    if tuple(scale_shape) != want:
+        raise UserError(f"{where}: {key + '_scale_inv'!r} has shape {tuple(scale_shape)}; {tuple(shape)} in blocks of "
+                        f"{list(block)} needs {want}")
 
 
 class _Files:
@@ -123,6 +206,110 @@ class _Files:
         return self.handles[path].get_tensor(key)
 
 
+_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U8": 1, "I8": 1, "BF16": 2, "F16": 2, "I16": 2, "F32": 4,
+             "I32": 4, "F64": 8, "I64": 8}
+
+
+class HubTensors:
+    """An HF folder's tensors by hub name, each read a slice at a time (safetensors' get_slice), as stored (float8
+    e4m3 values and their fp32 `_scale_inv` included): a tensor-parallel rank reads the rows or columns it keeps
+    and nothing else. Names, dtypes and shapes come from the files' headers, without reading a tensor.
+
+    safetensors memory-maps a file while it is open, and the pages read through a mapping count in the process's
+    resident memory until the mapping is closed. So a file is reopened once `map_budget` bytes have been read
+    through its mapping: the host memory a load peaks at is what it keeps, plus about one tensor (a slice and the
+    pages it was read from), plus at most map_budget of mapped pages."""
+
+    def __init__(self, folder: str | Path, map_budget: int = 1 << 30):
+        self.folder = Path(folder)
+        self.map_budget = map_budget
+        self.files = _tensor_files(self.folder)
+        self.meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for path in sorted(set(self.files.values())):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    self.meta[key] = (sl.get_dtype(), tuple(sl.get_shape()))
+        self._open: dict[Path, tuple[Any, int]] = {}  # file -> (handle, bytes read through it)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.meta
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.meta[key][1]
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """The whole tensor (dim None), or its [start, start + length) along `dim`, on the CPU as stored."""
+        dtype, shape = self.meta[key]
+        nbytes = _ITEMSIZE.get(dtype, 4)
+        for n in shape:
+            nbytes *= n
+        # Rows of a row-major tensor are contiguous: a cut along dim 0 maps only its own pages; other cuts touch all.
+        touched = nbytes * length // max(shape[0], 1) if dim == 0 and length is not None else nbytes
+        path = self.files[key]
+        handle, used = self._open.get(path, (None, 0))
+        if handle is None or (used and used + touched > self.map_budget):
+            self._open.pop(path, None)  # unmaps the old mapping (its pages leave the resident set)
+            handle, used = safe_open(path, framework="pt", device="cpu"), 0
+        self._open[path] = (handle, used + touched)
+        sl = handle.get_slice(key)
+        if dim is None:
+            return sl[:]
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(start, start + (shape[dim] - start if length is None else length))
+        return sl[tuple(index)]
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def check(self, args: ModelArgs, block: tuple[int, int] | None, skip_mtp: bool = True) -> None:
+        """The folder holds exactly the architecture's tensors, with the shapes its config implies and a consistent
+        scale for every FP8 weight: one line naming the first that is wrong (load_state_into's checks, from the
+        headers alone). `skip_mtp`: V3's multi-token-prediction layers are not looked at (the engine does not run
+        them)."""
+        with torch.device("meta"):
+            whole = {n: tuple(t.shape) for n, t in Transformer(args).state_dict().items()}
+        expected = {(n, e) for n, shape in whole.items()
+                    for e in (range(shape[0]) if ".mlp.experts." in n else [None])
+                    if not (skip_mtp and n.startswith("mtp."))}
+        filled: set[tuple[str, int | None]] = set()
+        for key, (dtype, shape) in sorted(self.meta.items()):
+            if key.endswith("_scale_inv"):
+                if key[:-len("_scale_inv")] not in self.meta:
+                    raise UserError(f"{self.files[key].name}: scale {key!r} has no weight {key[:-len('_scale_inv')]!r}")
+                continue
+            mapped = hub_to_ours(key, args.n_layers)
+            if mapped is None or (key == "lm_head.weight" and args.tie_embeddings):
+                continue
+            name, expert = mapped
+            where = self.files[key].name
+            if skip_mtp and name.startswith("mtp."):
+                if int(name.split(".")[1]) >= args.n_mtp_layers:
+                    raise UserError(f"{where}: unexpected tensor {key!r}: the config has {args.n_layers} layers and "
+                                    f"{args.n_mtp_layers} MTP layers (num_nextn_predict_layers)")
+                continue
+            if name not in whole:
+                raise UserError(f"{where}: unexpected tensor {key!r}, not part of this {args.model_type} model")
+            want = whole[name] if expert is None else whole[name][1:]
+            if shape != want:
+                raise UserError(f"{where}: tensor {key!r} has shape {shape}, the config implies {want}")
+            scale = self.meta.get(key + "_scale_inv")
+            check_scale(key, dtype, shape, None if scale is None else scale[1], block, where)
+            filled.add((name, expert))
+        _lacks(self.folder, expected - filled)
+
+
+def _lacks(folder: Path, missing: set[tuple[str, int | None]]) -> None:
+    """One line naming the first of the (name, expert) tensors a folder lacks, and how many more."""
+    if not missing:
+        return
+    missing_sorted = sorted(missing, key=str)
+    name, expert = missing_sorted[0]
+    more = f" (and {len(missing_sorted) - 1} more)" if len(missing_sorted) > 1 else ""
+    what = name if expert is None else f"{name}[expert {expert}]"
+    raise UserError(f"{folder}: the checkpoint lacks {what}{more}")
+
+
 def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] | None = None,
                     stage: bool = False, fresh_mtp: bool = False) -> set[str]:
     """Stream an HF folder's tensors into `model`'s (allocated) parameters, one tensor at a time. `stage`: the
@@ -133,8 +320,7 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
     cfg = cfg if cfg is not None else read_hf_config(folder)
     files = _tensor_files(folder)
     args = model.args
-    quant = cfg.get("quantization_config") or {}
-    block = tuple(quant.get("weight_block_size", (128, 128)))
+    block = fp8_block_size(cfg, folder / "config.json")
     with torch.device("meta"):  # the names of the whole model: a tensor outside it still means the wrong folder
         whole = set(Transformer(args).state_dict())
     # Only the architecture's own tensors come from the folder: what was added from outside (LoRA adapters,
@@ -156,8 +342,10 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
             raise UserError(f"{path.name}: unexpected tensor {key!r}, not part of this {args.model_type} model")
         src = opened.get(path, key)
         scale_key = key + "_scale_inv"
-        if scale_key in files:
-            src = dequantize_fp8(src, opened.get(files[scale_key], scale_key), block)
+        scale = opened.get(files[scale_key], scale_key) if scale_key in files else None
+        check_scale(key, src.dtype, src.shape, None if scale is None else scale.shape, block, path.name)
+        if scale is not None:
+            src = dequantize_fp8(src, scale, block)
         dst = targets[name]
         want = tuple(dst.shape) if expert is None else tuple(dst.shape[1:])
         if tuple(src.shape) != want:
@@ -166,12 +354,7 @@ def load_state_into(model: Transformer, folder: str | Path, cfg: dict[str, Any] 
         filled.add((name, expert))
     missing = sorted(expected - filled, key=str)
     left = {name for name, _ in missing if fresh_mtp and name.startswith("mtp.")}
-    missing = [(name, e) for name, e in missing if name not in left]
-    if missing:
-        name, expert = missing[0]
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        what = name if expert is None else f"{name}[expert {expert}]"
-        raise UserError(f"{folder}: the checkpoint lacks {what}{more}")
+    _lacks(folder, {(name, e) for name, e in missing if name not in left})
     return left
 
 
