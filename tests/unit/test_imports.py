@@ -68,3 +68,22 @@ def test_no_import_circle():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph[m]
+    return seen
+
+
+def test_the_engine_does_not_reach_into_the_planner_or_training():
+    """The inference engine, its runner and its model (infer/engine.py, runner.py, model.py) import neither the
+    planner nor the training package, not even through another module: serving does not depend on them."""
+    graph = import_graph()
+    for room in ("paraseek.infer.engine", "paraseek.infer.runner", "paraseek.infer.model"):
+        reached = _reach(graph, room)
+        assert not {m for m in reached if m.startswith(("paraseek.planner", "paraseek.train"))}, room

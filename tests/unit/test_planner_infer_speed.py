@@ -94,6 +94,10 @@ def test_the_copied_engine_constants_are_the_engines():
     from paraseek.planner import infer as planner_infer
 
     assert planner_infer.SAMPLE_CHUNK_LOGITS == sampling.SAMPLE_CHUNK_LOGITS
+    from paraseek.infer import config
+    from paraseek.planner import memory
+
+    assert memory.ALLOCATOR_FRACTION == config.ALLOCATOR_FRACTION
     for seqs in (1, 8, 256, 300, 1024, 2048):
         sizes = Engine._graph_batch_sizes(SimpleNamespace(cfg=SimpleNamespace(max_num_seqs=seqs)))
         assert [S.graph_batch(n, seqs) for n in range(1, seqs + 1)] == [min(s for s in sizes if s >= n)

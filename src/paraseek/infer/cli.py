@@ -418,7 +418,33 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
                     log=log, lora_modules=lora_modules(ns))
     engine.report.extra["load_s"] = load_s
+    if pl.device.startswith("cuda"):
+        engine.report.extra["planned_tokens"] = planned_kv_tokens(engine)
     return engine
+
+
+def planned_kv_tokens(engine) -> int | None:
+    """What `paraseek plan --mode infer` predicts for the engine's KV pool on this GPU with its settings (the same
+    formulas, on the measured memory): printed beside the pool's size, so that a wrong planner shows. Here, not in the
+    engine: the engine does not depend on the planner."""
+    import dataclasses as dc
+
+    import torch
+
+    from paraseek.hardware.specs import spec_for_device_name
+    from paraseek.planner import make_cluster
+    from paraseek.planner.infer import plan_inference
+
+    spec = spec_for_device_name(torch.cuda.get_device_name(engine.device))
+    if spec is None:
+        return None
+    total = engine.report.total_gib
+    cluster = dc.replace(make_cluster(spec.name, engine.tp, gpus_per_node=engine.tp), memory_gib=total)
+    cfg = engine.cfg
+    rows = [r for r in plan_inference(engine.args, cluster, engine.max_model_len, None, "bf16",
+                                      cfg.gpu_memory_utilization, cfg.max_batched_tokens, cfg.max_num_seqs)
+            if r.tp == engine.tp and not r.reason]
+    return rows[0].max_context if rows else None
 
 
 def weight_format(quantization: str, src, device: str) -> tuple[bool, tuple[int, int] | None, str]:

@@ -13,6 +13,9 @@ from paraseek.errors import UserError
 OFFLINE_LARGE_GPU_GIB = 70
 OFFLINE_LARGE = (1024, 16384)
 OFFLINE_SMALL = (256, 8192)
+# What the caching allocator loses to rounding and fragmentation over a long run, as a share of the GPU's memory: the
+# KV pool leaves it free (the planner prices the same share, planner.memory.ALLOCATOR_FRACTION).
+ALLOCATOR_FRACTION = 0.02
 
 
 def offline_defaults(gpu_memory_gib: float | None, gpu_name: str = "") -> tuple[int, int, str]:

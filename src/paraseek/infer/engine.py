@@ -20,12 +20,11 @@ import torch.distributed as dist
 from paraseek.errors import UserError
 from paraseek.infer import attention, ops
 from paraseek.infer.cache import BlockPool, CacheShape
-from paraseek.infer.config import EngineConfig
+from paraseek.infer.config import ALLOCATOR_FRACTION, EngineConfig
 from paraseek.infer.model import InferenceModel
 from paraseek.infer.platform import for_device
 from paraseek.infer.runner import HostBatch, ModelRunner
 from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, sample
-from paraseek.planner.memory import ALLOCATOR_FRACTION
 from paraseek.infer.scheduler import Request, Scheduled, Scheduler, Status, StepPlan
 
 GiB = 2**30
@@ -176,7 +175,7 @@ class Engine:
             # held back from the KV pool.
             graphs = (decode_ws + cfg.max_num_seqs * self.args.vocab_size * self.runner.dtype.itemsize
                       if self.platform.cuda_graphs and not cfg.enforce_eager else 0)
-            # The caching allocator's rounding and fragmentation (planner.memory.ALLOCATOR_FRACTION): without it
+            # The caching allocator's rounding and fragmentation (config.ALLOCATOR_FRACTION): without it
             # the reserved memory of a long run creeps past the limit even when the allocated memory does not.
             budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1 - graphs
                       - ALLOCATOR_FRACTION * total)
@@ -191,32 +190,12 @@ class Engine:
             rep.extra["non_torch_gib"] = non_torch / GiB
             rep.extra["prefill_workspace_gib"], rep.extra["decode_workspace_gib"] = prefill_ws / GiB, decode_ws / GiB
             rep.extra["memory_tokens"] = int(budget // per_token)  # before the cap at what max_num_seqs can use
-            rep.extra["planned_tokens"] = self._planned_tokens(total)
             rep.extra["allocator_fraction"] = max(0.05, cfg.gpu_memory_utilization - non_torch / total)
         if self.tp_group is not None and self.tp > 1:
             n = torch.tensor([rep.num_blocks], dtype=torch.int64)
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.meta_group)
             rep.num_blocks = int(n)
         return rep
-
-    def _planned_tokens(self, total_bytes: int) -> int | None:
-        """What `paraseek plan --mode infer` predicts for this GPU and these engine settings (the same formulas;
-        printed beside the measured capacity so that a wrong planner shows)."""
-        import dataclasses as dc
-
-        from paraseek.hardware.specs import spec_for_device_name
-        from paraseek.planner import make_cluster
-        from paraseek.planner.infer import plan_inference
-
-        spec = spec_for_device_name(torch.cuda.get_device_name(self.device))
-        if spec is None:
-            return None
-        cluster = dc.replace(make_cluster(spec.name, self.tp, gpus_per_node=self.tp), memory_gib=total_bytes / GiB)
-        cfg = self.cfg
-        rows = [r for r in plan_inference(self.args, cluster, self.max_model_len, None, "bf16",
-                                          cfg.gpu_memory_utilization, cfg.max_batched_tokens, cfg.max_num_seqs)
-                if r.tp == self.tp and not r.reason]
-        return rows[0].max_context if rows else None
 
     @torch.no_grad()
     def _profile_run(self) -> tuple[int, int, int]:

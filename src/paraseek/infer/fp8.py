@@ -32,10 +32,9 @@ import functools
 import torch
 
 from paraseek.infer.linear import Linear
-from paraseek.models.hf import E4M3_MAX, FP8_BLOCK, SCALE_FLOOR, dequantize_fp8, quantize_fp8  # noqa: F401
+from paraseek.models.hf import E4M3, E4M3_MAX, FP8_BLOCK, SCALE_FLOOR, dequantize_fp8, quantize_fp8  # noqa: F401
 
 BLOCK = FP8_BLOCK[0]
-E4M3 = torch.float8_e4m3fn
 
 
 def groups(n: int) -> int:

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from paraseek.infer import kernels  # noqa: F401  (patches Triton's interpreter under TRITON_INTERPRET=1)
-from paraseek.infer.fp8 import BLOCK, E4M3, E4M3_MAX, SCALE_FLOOR, groups
+from paraseek.models.hf import E4M3, E4M3_MAX, FP8_BLOCK, SCALE_FLOOR  # not infer/fp8.py, which imports this module
+
+BLOCK = FP8_BLOCK[0]
 
 
 @triton.jit
@@ -39,7 +41,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, N, K, QMAX: tl.con
 
 def quantize_1x128(x_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = x_NK.shape
-    G = groups(K)
+    G = -(-K // BLOCK)
     q_NK = torch.empty((N, K), device=x_NK.device, dtype=E4M3)
     s_GN = torch.empty((G, N), device=x_NK.device, dtype=torch.float32)
     if N:

@@ -109,6 +109,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size: the only block the FP8 GEMMs of infer/fp8.py take
+E4M3 = torch.float8_e4m3fn  # the FP8 format of DeepSeek-V3's checkpoints
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_FLOOR = 1e-12  # the smallest amax a scale is made from: an all-zero block or row quantizes to zeros, not NaN
 

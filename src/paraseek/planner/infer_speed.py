@@ -154,9 +154,7 @@ def gemv_shapes(gpu: str) -> frozenset:
     import json
     from pathlib import Path
 
-    import paraseek.infer
-
-    path = Path(paraseek.infer.__file__).with_name("gemv_configs.json")
+    path = Path(__file__).parents[1] / "infer" / "gemv_configs.json"  # data only: the planner imports no infer code
     data = json.loads(path.read_text()) if path.is_file() else {}
     out = set()
     for device, shapes in data.items():
