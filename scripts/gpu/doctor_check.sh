@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# `paraseek doctor` on the GPU machine, checked against the NCCL anchor in the same run (docs/doctor.md):
+# `paraseek doctor` on the GPU machine, checked against a reference NCCL bus-bandwidth script in the same run
+# (docs/doctor.md):
 #   1. nvidia-smi's view (topo -m, nvlink --status) for comparison with the doctor's inventory
 #   2. the doctor with all measurements (--json, --save PROFILE)  -> doctor.json, profile.json
-#   3. the anchor ../shared/anchors/nccl_busbw.py under torchrun (copied into .carry/)  -> anchor.txt
+#   3. the reference script (an independent torch.distributed busbw measurement, nccl-tests' formulas; not in this
+#      repository) under torchrun  -> anchor.txt
 #   4. the doctor with NCCL_P2P_DISABLE=1 (all_reduce only)  -> doctor_p2p_disable.json
 #   5. the doctor --quick with CUDA_LAUNCH_BLOCKING=1  -> doctor_launch_blocking.json
 #   6. the doctor under torchrun: one node (doctor_torchrun.json); two "nodes" of one GPU each (doctor_2nodes.json)
 #   7. the GPU tests (tests/gpu/test_doctor_gpu.py)
-#   8. a summary: doctor / anchor busbw ratios, P2P-disabled vs normal, findings per run
+#   8. a summary: doctor / reference busbw ratios, P2P-disabled vs normal, findings per run
 # Everything printed also lands in log.txt.
-# Usage (repo root, on the device machine): bash scripts/gpu/doctor_check.sh [ANCHOR]   (writes to $OUT)
+# Usage (repo root, on the device machine): bash scripts/gpu/doctor_check.sh [REFERENCE]   (writes to $OUT)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1

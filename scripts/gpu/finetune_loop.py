@@ -1,4 +1,4 @@
-"""Fine-tuning on chat data on the GPU machine, in one call: tokens/s/GPU and peak memory of full fine-tuning and
+"""Fine-tuning on chat data on the GPU machine, in one run: tokens/s/GPU and peak memory of full fine-tuning and
 LoRA on a chat .jsonl beside the plain-text run of the same shape (the planner's prediction beside each), then the
 whole loop on the R1-Distill-Qwen-1.5B shape: train (full and LoRA) -> export (merged HF folder, PEFT adapter) ->
 `paraseek generate --chat` and `paraseek serve` answering a chat request.

@@ -1,12 +1,12 @@
-"""Issue #19's fp8 speed experiments on one GPU: DeepSeek-LLM-7B with its best bf16 flags and --fp8, under variants
-of main's code, each a patched copy of src/paraseek (so one call compares them; main is never changed by this).
+"""fp8 speed comparisons on one GPU: DeepSeek-LLM-7B with its best bf16 flags and --fp8, under variants
+of main's code, each a patched copy of src/paraseek (so one run compares them; main is never changed by this).
 
     python scripts/gpu/fp8_push.py RUN[,RUN...] --out DIR [--anchors DIR]
 
 RUN is RECIPE:VARIANT (bench of deepseek-llm-7b), moe-RECIPE:VARIANT (bench of DeepSeek-V2-Lite cut to 6 layers,
 validate.py fp8moe's flags: no checkpointing, compile, micro-batch MBS from FP8_PUSH_MOE_MBS, 2 by default),
 parity-RECIPE:VARIANT (validate.py's 500-step fp8parity run;
-the gap is to the first parity run of the call, so put parity-off:main first), or tt:RECIPE (anchors'
+the gap is to the first parity run, so put parity-off:main first), or tt:RECIPE (--anchors'
 torchtitan_peer.sh ds7b, compiled, float8). Variants (joined with +):
   main   main's code.
   save   selective checkpointing also keeps the float8 GEMMs' outputs (aten._scaled_mm) and the abs-maxes the
@@ -19,11 +19,9 @@ torchtitan_peer.sh ds7b, compiled, float8). Variants (joined with +):
   autotune inductor's max_autotune_gemm on for the compiled blocks: every GEMM (the grouped ones included: inductor's
          Triton grouped-GEMM templates against the ATen/CUTLASS kernel) picked by timing.
 
-Calls 2-4 of 2026-12-03 also ran variants since made main or dropped: the experts' float8 GEMMs with fast
-accumulation in the forward only, or in both (main: both), and --fp8 with the experts in bf16 (main's default).
-
-Call 19 (2026-12-02) also ran a variant `noag`: with one data-parallel rank, no float8 all-gather (the weights cast
-inside the compiled blocks, not in FSDP2's eager pre-gather hook). It was 9% faster and is main's code since.
+Variants since made main's code: the experts' float8 GEMMs with fast accumulation in both GEMMs, --fp8 with the
+experts in bf16 unless --fp8-experts on, and with one data-parallel rank no float8 all-gather (the weights cast
+inside the compiled blocks, not in FSDP2's eager pre-gather hook: 9% faster on the 7B).
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
-"""The GPU validation of one session, one command per group, results as one table and one JSON file.
+"""Training measurements on the GPU machine, one command per group, results as one table and one JSON file.
 
     python scripts/gpu/validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
-Groups (each fits one 10-minute device call on 2x H200):
+Groups (each runs in under 10 minutes on 2x H200; BENCHMARKS.md cites the command of each table):
   loss  real-shaped models (DeepSeek-LLM-7B and DeepSeek-V2-Lite widths, 4 layers) from one saved bf16
         initialization, 20 steps on the bundled corpus: 1 GPU vs FSDP2, tp=2, pp=2 (dense) and ep=2, pp=2 (MoE);
         the max relative loss difference to the 1-GPU curve, tokens/s/GPU and peak memory of each.
   plan  `paraseek bench` of >= 8 (model, plan) runs on 1 and 2 GPUs: 7B FSDP with and without checkpointing at
         two micro-batch sizes, V2-Lite (14 layers) FSDP and EP=2, 7B tp=2 and pp=2; the planner's prediction
         beside each measurement, with the errors.
-  llama the anchors' HF + FSDP2 baseline (llama3-8b shape) and paraseek on deepseek-r1-distill-llama-8b.
+  llama the HF + FSDP2 baseline of --anchors (llama3-8b shape) and paraseek on deepseek-r1-distill-llama-8b.
   scale 7B weak scaling 1 -> 2 GPUs (same per-GPU batch), and the 16k / 32k sequence runs on 2 GPUs.
-  v2lite the anchors' baseline on the V2-Lite shape (14 layers) at micro-batch 2 and 4, paraseek's best plan at each.
-  final llama-8b and 7B best plans against the baseline in the same call.
+  v2lite the HF + FSDP2 baseline on the V2-Lite shape (14 layers) at micro-batch 2 and 4, paraseek's best plan at
+        each.
+  final llama-8b and 7B best plans against the baseline in the same run.
   weak  7B weak scaling 1 -> 2 GPUs with parameters kept gathered (same flags on both).
   llama_zero2  the llama-8b no-AC + compile run with parameters kept gathered from forward to backward.
   push  llama-8b at micro-batch 3 and 4, 7B weak scaling with parameters kept gathered, 7B selective mbs1 again.
@@ -26,27 +27,27 @@ Groups (each fits one 10-minute device call on 2x H200):
   fp8tests  tests/gpu/test_fp8_gpu.py.
   fp8smoke  the 7B width cut to 4 layers (seq 4096, mbs 2, selective + compile) in bf16 and under --fp8 tensorwise
         and rowwise.
-  fp8peer  TorchTitan (anchors' torchtitan_peer.sh ds7b, compiled) in float8 tensorwise and rowwise, then
+  fp8peer  TorchTitan (--anchors' torchtitan_peer.sh ds7b, compiled) in float8 tensorwise and rowwise, then
         DeepSeek-LLM-7B with its best bf16 flags, and with --fp8 tensorwise and rowwise added.
   fp8llama  the Llama-3.1-8B shape cut to 16 layers (to fit one GPU), the same flags, bf16 and both recipes.
   fp8parity  500 steps (seq 2048) of the 7B width cut to 4 layers from one seeded bf16 initialization on the bundled corpus,
         bf16 vs each recipe: the curves (JSONL under --out) and the gap of the last 50 steps' mean loss
         (PARITY_RECIPES=off,tensorwise for fewer; bf16 first).
   tp2compile  the 7B width cut to 4 layers on all GPUs: FSDP2 vs tp=N, eager, compiled and compiled with --fp8
-        tensorwise (issue #19's TP item).
-  moehost  issue #17's missed out-of-sample run (V2-Lite cut to 12 layers, mbs 1, compiled, no AC: 0.30-0.36 s
+        tensorwise.
+  moehost  a compiled MoE run the planner missed out of sample (V2-Lite cut to 12 layers, mbs 1, compiled, no AC: 0.30-0.36 s
         measured, 0.23 predicted, as with selective AC): none with a cold and then a warm compile cache, selective,
         none with Python's GC off; per-step times, graph breaks and recompiles, and what the host was in while the
         GPU idled (one profiled step each).
   coldwarm  the fifth out-of-sample set's missed run (V2-Lite cut to 8 layers, mbs 1, compiled, no AC) three times:
         a fresh compile cache, the same cache again, and a fresh cache compiled in-process (no compile workers).
-  gccause, hostsample, mallocvar  issue #17's fresh-compile slowdown (calls 26-29): the same V2-Lite runs with the
+  gccause, hostsample, mallocvar  the fresh-compile slowdown of compiled MoE runs: the same V2-Lite runs with the
         garbage collector's time per step and gc.freeze on and off; with every Python thread of the training process
         sampled; under glibc malloc tunables. They ran before the launcher set GLIBC_TUNABLES: put
         GLIBC_TUNABLES= (empty, glibc's defaults) in a variant's env to see the slowdown again.
   fp8moe  DeepSeek-V2-Lite cut to 6 layers (compile, mbs 2 and 4, or FP8MOE_MBS=8,16; no AC, or FP8MOE_AC):
-        bf16, --fp8 tensorwise (the projections fp8_pays takes; experts bf16), and with --fp8-experts on. Calls
-        41-42 fitted the planner's --fp8-experts term on it (docs/planner.md, FP8).
+        bf16, --fp8 tensorwise (the projections fp8_pays takes; experts bf16), and with --fp8-experts on. The
+        planner's --fp8-experts term is fitted on its runs (docs/planner.md, FP8).
   fp8moeparity  fp8parity on the V2-Lite width cut to 4 layers, every fp8 run with --fp8-experts on (PARITY_EXPERTS=off:
                 the routed experts in bf16).
 """
@@ -301,7 +302,7 @@ def group_scale(out: Path) -> list[dict]:
 
 
 def group_v2lite(out: Path, anchors: str) -> list[dict]:
-    """The anchors' baseline on the V2-Lite shape (14 layers) at micro-batch 2 (its published setting) and 4, and
+    """The HF + FSDP2 baseline on the V2-Lite shape (14 layers) at micro-batch 2 (its published setting) and 4, and
     paraseek's best plan at each: no checkpointing, compiled, parameters kept gathered."""
     v2 = folder("v2lite14", "deepseek-v2-lite", 14, weights=False)
     runs = []
@@ -324,8 +325,8 @@ def group_weak(out: Path) -> list[dict]:
 
 
 def group_final(out: Path, anchors: str) -> list[dict]:
-    """The two dense acceptance shapes against the baseline in the same call: llama-8b (no AC, compiled, params kept
-    gathered) and the 7B (selective AC, compiled, params kept gathered), micro-batch 2 like the baseline."""
+    """The two dense shapes against the HF + FSDP2 baseline in the same run: llama-8b (no AC, compiled, params
+    kept gathered) and the 7B (selective AC, compiled, params kept gathered), micro-batch 2 like the baseline."""
     runs = []
     for base_model, model, ac in (("llama3-8b", "deepseek-r1-distill-llama-8b", "none"),
                                   ("deepseek-7b", "deepseek-llm-7b", "selective")):
@@ -478,7 +479,7 @@ def group_profile(out: Path) -> list[dict]:
 
 
 SEVEN_BEST = ["--seq-len", "4096", "--micro-batch-size", "2", "--global-batch-size", str(2 * N),
-              "--activation-checkpointing", "selective", "--compile"]  # issue #17's documented best 7B flags
+              "--activation-checkpointing", "selective", "--compile"]  # the 7B's best flags on one H200
 
 
 def torchtitan(anchors: str, name: str, flavor: str, *flags: str, timeout: int = 300) -> dict:
@@ -525,7 +526,7 @@ def group_fp8llama(out: Path) -> list[dict]:
 
 
 def group_tp2compile(out: Path) -> list[dict]:
-    """Issue #19's TP item on 2 GPUs: the 7B width cut to 4 layers, FSDP2 over both vs tp=2, each eager, compiled,
+    """fp8 with tp on 2 GPUs: the 7B width cut to 4 layers, FSDP2 over both vs tp=2, each eager, compiled,
     and compiled with --fp8 tensorwise (FSDP2's float8 all-gather; under tp bf16 gathers and float8 linears sharded
     by the TP styles), selective checkpointing, micro-batch 2, seq 4096: tokens/s/GPU side by side."""
     cut = folder("ds7b4", "deepseek-llm-7b", 4, weights=False)
@@ -624,7 +625,7 @@ def group_coldwarm(out: Path) -> list[dict]:
 
 
 def group_gccause(out: Path) -> list[dict]:
-    """Issue #17's MoE misses: is the fresh-compile slowdown Python's garbage collector walking what the compile left
+    """Compiled MoE runs slow from a fresh compile: is it Python's garbage collector walking what the compile left
     on the heap? V2-Lite-8 (and -12) at mbs 1 without AC, 10 steps each, per-step GC seconds from the metrics: the
     engine's gc.freeze after step 1, the same with freeze made a no-op, the collector off, and a warm cache."""
     hooks = MODELS / "gchooks"
@@ -703,7 +704,7 @@ def sampled_run(out: Path, name: str, layers: int, env: dict[str, str]) -> dict:
 
 
 def group_hostsample(out: Path) -> list[dict]:
-    """Issue #17's fresh-compile slowdown, where the host is: V2-Lite cut to SAMPLE_LAYERS (8), cold cache, warm
+    """The fresh-compile slowdown of compiled MoE runs, where the host is: V2-Lite cut to SAMPLE_LAYERS (8), cold cache, warm
     cache, cold cache compiled in-process (the first SAMPLE_VARIANTS of them), each sampled (sampled_run)."""
     layers = int(os.environ.get("SAMPLE_LAYERS", "8"))
     variants = (("cold", {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hs-a"}),
@@ -718,7 +719,7 @@ def group_hostsample(out: Path) -> list[dict]:
 
 
 def group_mallocvar(out: Path) -> list[dict]:
-    """Calls 27-28 found the fresh compile's extra host time in FSDP2's reduce-scatter copy-in (aten::_chunk_cat on the
+    """hostsample found the fresh compile's extra host time in FSDP2's reduce-scatter copy-in (aten::_chunk_cat on the
     autograd thread: 53% of samples cold, 22% warm), whose host part builds and pins metadata of one int64 per 2 KiB
     of gradient. Is it glibc's malloc (arenas, trimming, mmap of the large vectors) in a heap the compile churned?
     V2-Lite-12, each with its own cold cache."""

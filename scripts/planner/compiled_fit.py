@@ -7,9 +7,10 @@
 
 The out-of-sample predictions for runs not measured yet: scripts/planner/oos.py.
 
-RUNS holds every compiled `paraseek bench` run recorded in benchmarks/2026-11-30/*.json (and the 1-GPU run of
-issue #17), read from the JSON files, then the 9 runs of benchmarks/2026-12-01/compiled-oos-1gpu-call-12.json (the
-out-of-sample check of 2026-12-01, fitted on since: GEMM_HALF_K), each marked with its use:
+RUNS holds every compiled `paraseek bench` run recorded in benchmarks/2026-11-30/*.json (and one 1-GPU run of
+the 7B whose raw output is not kept, ONE_GPU_7B), read from the JSON files, then the 9 runs of
+benchmarks/2026-12-01/compiled-oos-1gpu-measured.json (the out-of-sample check of 2026-12-01, fitted on since:
+GEMM_HALF_K), each marked with its use:
   fit       the current engine (since e11229f: the loss compiled, the gradient clip folded into the fused AdamW);
   held-out  before e11229f, priced as that engine ran (the loss eager, the clip a pass of its own over the
             gradients), and not used in the fit: the out-of-sample check of the fitted terms;
@@ -39,54 +40,59 @@ DATA = ROOT / "benchmarks" / "2026-11-30"
 PRE = "before e11229f"
 # (file, group, index in the group, index in its "runs" list, engine, use)
 RUNS = [
-    ("call13-final.json", "final", 1, 0, "current", "fit"),
-    ("call13-final.json", "final", 3, 0, "current", "fit"),
-    ("call14-v2lite-mbs4.json", "v2lite_mbs4", 1, 0, "current", "fit"),
-    ("issue #17", None, None, None, "current", "fit"),
-    ("call4-profile-llama.json", "llama", 1, 0, PRE, "held-out"),
-    ("call4-profile-llama.json", "llama", 2, 0, PRE, "held-out"),
-    ("call5-llama_zero2-scale.json", "llama_zero2", 0, 0, PRE, "held-out"),
-    ("call5-llama_zero2-scale.json", "scale", 0, 0, PRE, "held-out"),
-    ("call5-llama_zero2-scale.json", "scale", 0, 1, PRE, "held-out"),
-    ("call6-push.json", "push", 2, 1, PRE, "held-out"),
-    ("call9-v2lite-push.json", "v2lite_push", 0, 0, PRE, "held-out"),
-    ("call9-v2lite-push.json", "v2lite_push", 1, 0, PRE, "held-out"),
-    ("call9-v2lite-push.json", "v2lite_push", 2, 0, PRE, "held-out"),
-    ("call9-v2lite-push.json", "v2lite_push", 3, 0, PRE, "held-out"),
-    ("call10-v2lite-weak.json", "v2lite", 1, 0, PRE, "held-out"),
-    ("call10-v2lite-weak.json", "v2lite", 3, 0, PRE, "held-out"),
-    ("call10-v2lite-weak.json", "weak", 0, 0, PRE, "held-out"),
-    ("call10-v2lite-weak.json", "weak", 0, 1, PRE, "held-out"),
-    ("call12-llama-loss-chunks.json", "loss_chunks", 0, 0, PRE, "held-out"),
-    ("call6-push.json", "push", 0, 0, PRE, "excluded: memory-bound (131.9 GiB allocated, 29% below mbs 2)"),
-    ("call6-push.json", "push", 1, 0, PRE, "excluded: memory-bound (133.9 GiB allocated)"),
-    ("call6-push.json", "push", 2, 0, PRE, "excluded: memory-bound, and --reshard-after-forward false still kept a "
-     "second bf16 copy on one GPU then (ignored with one data-parallel rank since)"),
-    ("call8-attn-v2lite.json", "v2lite", 1, 0, PRE, "excluded: MLA's v zero-padded to 192 (dropped since)"),
-    ("call8-attn-v2lite.json", "v2lite", 2, 0, PRE, "excluded: MLA's v zero-padded to 192 (dropped since)"),
-    ("call8-attn-v2lite.json", "v2lite", 3, 0, PRE, "excluded: MLA's v zero-padded to 192 (dropped since)"),
-    ("call12-llama-loss-chunks.json", "loss_chunks", 1, 0, PRE, "excluded: --loss-chunks (not priced)"),
-    ("call12-llama-loss-chunks.json", "loss_chunks", 2, 0, PRE, "excluded: --loss-chunks (not priced)"),
+    ("train-llama8b-7b-vs-hf-fsdp2.json", "final", 1, 0, "current", "fit"),
+    ("train-llama8b-7b-vs-hf-fsdp2.json", "final", 3, 0, "current", "fit"),
+    ("train-v2lite14-mbs4-vs-hf-fsdp2.json", "v2lite_mbs4", 1, 0, "current", "fit"),
+    ("one-gpu 7b", None, None, None, "current", "fit"),
+    ("train-llama8b-compiled-and-profiles.json", "llama", 1, 0, PRE, "held-out"),
+    ("train-llama8b-compiled-and-profiles.json", "llama", 2, 0, PRE, "held-out"),
+    ("train-llama8b-zero2-7b-scaling-long-sequences.json", "llama_zero2", 0, 0, PRE, "held-out"),
+    ("train-llama8b-zero2-7b-scaling-long-sequences.json", "scale", 0, 0, PRE, "held-out"),
+    ("train-llama8b-zero2-7b-scaling-long-sequences.json", "scale", 0, 1, PRE, "held-out"),
+    ("train-llama8b-7b-near-memory-limit.json", "push", 2, 1, PRE, "held-out"),
+    ("train-v2lite14-zero2-and-ep2.json", "v2lite_push", 0, 0, PRE, "held-out"),
+    ("train-v2lite14-zero2-and-ep2.json", "v2lite_push", 1, 0, PRE, "held-out"),
+    ("train-v2lite14-zero2-and-ep2.json", "v2lite_push", 2, 0, PRE, "held-out"),
+    ("train-v2lite14-zero2-and-ep2.json", "v2lite_push", 3, 0, PRE, "held-out"),
+    ("train-v2lite14-vs-hf-fsdp2-and-7b-weak-scaling.json", "v2lite", 1, 0, PRE, "held-out"),
+    ("train-v2lite14-vs-hf-fsdp2-and-7b-weak-scaling.json", "v2lite", 3, 0, PRE, "held-out"),
+    ("train-v2lite14-vs-hf-fsdp2-and-7b-weak-scaling.json", "weak", 0, 0, PRE, "held-out"),
+    ("train-v2lite14-vs-hf-fsdp2-and-7b-weak-scaling.json", "weak", 0, 1, PRE, "held-out"),
+    ("train-llama8b-loss-chunks.json", "loss_chunks", 0, 0, PRE, "held-out"),
+    ("train-llama8b-7b-near-memory-limit.json", "push", 0, 0, PRE,
+     "excluded: memory-bound (131.9 GiB allocated, 29% below mbs 2)"),
+    ("train-llama8b-7b-near-memory-limit.json", "push", 1, 0, PRE, "excluded: memory-bound (133.9 GiB allocated)"),
+    ("train-llama8b-7b-near-memory-limit.json", "push", 2, 0, PRE,
+     "excluded: memory-bound, and --reshard-after-forward false still kept a second bf16 copy on one GPU then "
+     "(ignored with one data-parallel rank since)"),
+    ("train-v2lite14-padded-mla-attention.json", "v2lite", 1, 0, PRE,
+     "excluded: MLA's v zero-padded to 192 (dropped since)"),
+    ("train-v2lite14-padded-mla-attention.json", "v2lite", 2, 0, PRE,
+     "excluded: MLA's v zero-padded to 192 (dropped since)"),
+    ("train-v2lite14-padded-mla-attention.json", "v2lite", 3, 0, PRE,
+     "excluded: MLA's v zero-padded to 192 (dropped since)"),
+    ("train-llama8b-loss-chunks.json", "loss_chunks", 1, 0, PRE, "excluded: --loss-chunks (not priced)"),
+    ("train-llama8b-loss-chunks.json", "loss_chunks", 2, 0, PRE, "excluded: --loss-chunks (not priced)"),
 ]
-# Issue #17: `paraseek bench` on one H200 (nvidia-h200), deepseek-llm-7b, seq 4096, global batch 2, mbs 2,
-# --activation-checkpointing selective --compile: 12,455 tokens/s/GPU at 106.2 GiB (the issue's numbers).
-ISSUE_17 = {"name": "7b 1gpu selective+compile mbs2 (issue #17)", "gpus": 1, "model": "deepseek-llm-7b",
+# `paraseek bench` on one H200 (nvidia-h200), deepseek-llm-7b, seq 4096, global batch 2, mbs 2,
+# --activation-checkpointing selective --compile: 12,455 tokens/s/GPU at 106.2 GiB (its console output; no raw file).
+ONE_GPU_7B = {"name": "7b 1gpu selective+compile mbs2", "gpus": 1, "model": "deepseek-llm-7b",
             "seq_len": 4096, "global_batch_size": 2, "micro_batch_size": 2, "dp_replicate": 1, "dp_shard": 1,
             "tp": 1, "ep": 1, "pp": 1, "activation_checkpointing": "selective", "compile": True,
             "step_time_s": 2 * 4096 / 12455, "mem_peak_gib": 106.2}
 FITTED = ("COMPILE_GEMM_GAIN", "COMPILE_ELEM_TRAFFIC", "COMPILE_SINGLE_RANK")
-CALL_12 = ROOT / "benchmarks" / "2026-12-01" / "compiled-oos-1gpu-call-12.json"
+OOS_1GPU = ROOT / "benchmarks" / "2026-12-01" / "compiled-oos-1gpu-measured.json"
 
 
-def load_call_12() -> list[dict]:
-    """The 1-GPU out-of-sample runs of call 12 as fit runs: the model and sequence length from oos.py's list, the plan
+def load_oos_1gpu() -> list[dict]:
+    """The first set of 1-GPU out-of-sample runs as fit runs: the model and sequence length from oos.py's list, the plan
     from the flags the run was predicted with (--plan auto's pick included)."""
     sys.path.insert(0, str(ROOT / "scripts" / "planner"))
     import oos
 
     spec = {name: (seq, flags) for name, _, seq, flags in oos.OOS_1GPU}
     runs = []
-    for row in json.loads(CALL_12.read_text()):
+    for row in json.loads(OOS_1GPU.read_text()):
         seq, flags = spec[row["name"]]
         argv = shlex.split(flags + " " + row["predicted"]["plan"])
         flag = {k: v for k, v in zip(argv, argv[1:], strict=False) if k.startswith("--")}
@@ -97,14 +103,14 @@ def load_call_12() -> list[dict]:
                      "ep": 1, "pp": 1, "activation_checkpointing": flag["--activation-checkpointing"],
                      "compile": "--compile" in argv, "reshard_after_forward": True,
                      "step_time_s": row["measured"]["step_time_s"], "mem_peak_gib": row["measured"]["mem_peak_gib"],
-                     "source": CALL_12.name, "engine": "current", "use": "fit"})
+                     "source": OOS_1GPU.name, "engine": "current", "use": "fit"})
     return runs
 
 
 def load(spec: tuple) -> dict:
     file, group, i, j, engine, use = spec
-    if file == "issue #17":
-        run = dict(ISSUE_17)
+    if file == "one-gpu 7b":
+        run = dict(ONE_GPU_7B)
     else:
         row = json.loads((DATA / file).read_text())[group][i]
         run = dict((row.get("runs") or [row])[j])
@@ -117,7 +123,7 @@ def load(spec: tuple) -> dict:
 def model_args(name: str | tuple[str, int]) -> ModelArgs:
     if isinstance(name, tuple):  # oos.py's CUTS: (preset, layers)
         return ModelArgs.from_hf_config({**preset_config(name[0]), "num_hidden_layers": name[1]})
-    if name.endswith("v2lite14"):  # validate.py's DeepSeek-V2-Lite cut to 14 layers (the anchors' shape)
+    if name.endswith("v2lite14"):  # validate.py's DeepSeek-V2-Lite cut to 14 layers (the HF + FSDP2 baseline's shape)
         return ModelArgs.from_hf_config({**preset_config("deepseek-v2-lite"), "num_hidden_layers": 14})
     return ModelArgs.from_hf_config(preset_config(name))
 
@@ -146,7 +152,7 @@ def plan_of(run: dict) -> Plan:
 
 
 def predict(run: dict):
-    # validate.py ran on nvidia-h200-x2 (2 GPUs per node), issue #17 on nvidia-h200
+    # validate.py ran on nvidia-h200-x2 (2 GPUs per node), the one-GPU 7B run on nvidia-h200
     cluster = make_cluster("H200", run["gpus"], gpus_per_node=run["gpus"])
     with engine(run["engine"]):
         return evaluate(model_args(run["model"]), cluster, plan_of(run), run["seq_len"], run["global_batch_size"])
@@ -208,7 +214,7 @@ def main() -> None:
     p.add_argument("--fit", action="store_true", help="refit the compile constants on the 'fit' runs")
     p.add_argument("--fit-width", action="store_true", help="refit GEMM_HALF_K alone on the 'fit' runs")
     ns = p.parse_args()
-    runs = [load(s) for s in RUNS] + load_call_12()
+    runs = [load(s) for s in RUNS] + load_oos_1gpu()
     if ns.fit_width:
         cost.GEMM_HALF_K = fit_width([r for r in runs if r["use"] == "fit"])
         print(f"fitted: GEMM_HALF_K = {cost.GEMM_HALF_K}")

@@ -10,8 +10,8 @@ command through train's parser and config, TrainConfig.to_plan, planner.evaluate
 --nproc GPUs per node) and writes the commands and the predictions. --run runs each command from that file (the
 commands as written, `{models}` replaced by a folder holding the v2lite14 config) and writes DIR/compiled-oos.json
 with measured and predicted numbers and the errors side by side; a run that fails is recorded with its exit code.
-About 1 minute per run (compile, 3 warm-up and 5 measured steps): two 10-minute device calls for all of them
-(`--only 0-5`, `--only 6-11`).
+About 1 minute per run (compile, 3 warm-up and 5 measured steps): about 12 minutes for all of them, or two runs of
+`--only 0-5` and `--only 6-11`.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ OOS = [
 ]
 
 
-# One H200 (nvidia-h200, when no 2-GPU machine is lent): issue #17's --plan auto runs beside the hand-picked flags
-# (the 7B's hand-picked flags are the auto plan itself: `paraseek plan` ranks them first), then compiled runs of other
-# shapes. Only the first (the 7B's mbs-2 selective plan, issue #17's own run) was in a fit.
+# One H200 (nvidia-h200): --plan auto runs beside the hand-picked flags (the 7B's hand-picked flags are the auto plan
+# itself: `paraseek plan` ranks them first), then compiled runs of other shapes. Only the first (the 7B's mbs-2
+# selective plan) was in a fit.
 OOS_1GPU = [
     ("7b --plan auto gbs2 (= the hand-picked mbs2 selective+compile; in the fit)", 1, 4096,
      "--model deepseek-llm-7b --global-batch-size 2 --plan auto"),
@@ -147,8 +147,8 @@ OOS_1GPU_E = [
     compiled("v2lite10 mbs2 none+compile", 4096, "{models}/v2lite10", 2, 2, "none"),
     compiled("v2lite12 seq2048 mbs2 none+compile", 2048, "{models}/v2lite12", 2, 2, "none"),
 ]
-# A sixth set (2026-12-03), no planner change since the fourth, written after calls 26-28 traced the fifth set's MoE
-# misses to a fresh compile's slower host (FSDP2's reduce-scatter copy-in) and before any of it ran; the criterion as
+# A sixth set (2026-12-03), no planner change since the fourth, written after the fifth set's MoE misses were traced
+# to a fresh compile's slower host (FSDP2's reduce-scatter copy-in) and before any of it ran; the criterion as
 # the third's. Shapes, depths and micro-batches no set has run, two MoE runs without checkpointing among them.
 OOS_1GPU_F = [
     compiled("7b 12 layers mbs4 selective+compile", 4096, "{models}/ds7b12", 4, 4, "selective"),
@@ -253,7 +253,7 @@ def run(path: Path, out: Path, only: str) -> None:
     lo, hi = (int(x) for x in only.split("-")) if only else (0, len(doc["runs"]) - 1)
     out.mkdir(parents=True, exist_ok=True)
     models = models_folder(out / "models")
-    deadline = time.time() + float(os.environ.get("OOS_DEADLINE_S", "1e9"))  # the device call's: keep what ran
+    deadline = time.time() + float(os.environ.get("OOS_DEADLINE_S", "1e9"))  # a time limit: keep what ran
     results = []
     for i, r in enumerate(doc["runs"]):
         if not lo <= i <= hi:

@@ -1,4 +1,4 @@
-"""Issue #7's acceptance: injected faults are detected, named once, and the job ends (CPU, gloo, 2 processes)."""
+"""Injected faults are detected, named once, and the job ends (CPU, gloo, 2 processes)."""
 
 import json
 import os

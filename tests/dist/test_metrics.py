@@ -1,4 +1,5 @@
-"""Per-step metrics: the JSONL schema of DESIGN.md and TensorBoard scalars, read back with tensorboard's own reader."""
+"""Per-step metrics: the JSONL schema of docs/design.md and TensorBoard scalars, read back with tensorboard's own
+reader."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Two "nodes" on this machine (issue 16 item 5): two launchers with --nnodes 2 --node-rank 0/1 --rdzv-endpoint
+"""Two "nodes" on this machine: two launchers with --nnodes 2 --node-rank 0/1 --rdzv-endpoint
 127.0.0.1:PORT (allowed by PARASEEK_NODES_ON_ONE_HOST=1), 2 gloo processes each, give the single-process losses
 within 1e-4 relative (test_data_parallel's tolerance: FSDP2 over 4 ranks only reorders the gradient reductions); the
 reference is test_reference_loop's plain-torch loop, which the engine's one process equals within 1e-4 there. Each

@@ -1,4 +1,4 @@
-"""Issue #16's acceptance (CPU, gloo, 2 processes, tiny-dense): SIGINT to the launcher and SIGTERM to one rank stop
+"""Stopping and resuming (CPU, gloo, 2 processes, tiny-dense): SIGINT to the launcher and SIGTERM to one rank stop
 every rank after the same step with a checkpoint of it, exit 130 / 143 and print the command that resumes; that
 command continues the uninterrupted curve past damaged newer checkpoints and keeps the original lr schedule when
 --steps changes; a SIGKILLed rank is named, by the run and by `paraseek diagnose`; SIGKILL during saves never leaves

@@ -27,7 +27,7 @@ def check_ordered(run: dict) -> None:
 
 
 def test_bench_serve_is_also_bench_with_serve(server, capsys):
-    """`paraseek bench --serve URL` (the issue's spelling, `vllm bench serve`'s) runs bench-serve on URL with the
+    """`paraseek bench --serve URL` (vLLM's spelling, as in `vllm bench serve`) runs bench-serve on URL with the
     other flags."""
     rc = main(["bench", "--num-prompts", "4", "--serve", server.url, "--input-len", "8", "--output-len", "3", "--json"])
     out, err = capsys.readouterr()

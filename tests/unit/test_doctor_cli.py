@@ -33,7 +33,7 @@ def test_register_adds_the_subcommand():
     assert ns.func is run_doctor and ns.quick and ns.json and ns.timeout == 60.0
 
 
-@pytest.mark.skipif(not NO_CUDA, reason="the CPU-only acceptance check")
+@pytest.mark.skipif(not NO_CUDA, reason="the CPU-only check: no GPU visible")
 def test_cpu_only_json_exits_0_with_no_gpus_and_says_so():
     r = doctor("--json")
     assert r.returncode == 0, r.stderr

@@ -280,8 +280,9 @@ def test_the_float8_experts_term_against_its_formula_and_the_measured_break_even
 @pytest.mark.parametrize("torch_version, kept", [("2.11.0+cu130", True), ("2.13.0+cpu", False)])
 def test_full_checkpointing_keeps_the_float8_experts_outputs_before_torch_2_13(torch_version, kept, monkeypatch):
     """Under full checkpointing of compiled blocks, torch before 2.13 saves the float8 experts' GEMM outputs (gate,
-    up: Fe wide; down: D wide; bf16, each routed row, every MoE layer) instead of recomputing them (call 43: +17.9 GiB
-    on V2-Lite cut to 6 layers at mbs 16, +35.7 at mbs 32; pytorch#177396). Only there, and only with the flag."""
+    up: Fe wide; down: D wide; bf16, each routed row, every MoE layer) instead of recomputing them (measured on one
+    H200: +17.9 GiB on V2-Lite cut to 6 layers at mbs 16, +35.7 at mbs 32, BENCHMARKS.md "Float8 routed experts";
+    pytorch#177396). Only there, and only with the flag."""
     import importlib.metadata
 
     from paraseek.planner import Plan, make_cluster
@@ -299,7 +300,7 @@ def test_full_checkpointing_keeps_the_float8_experts_outputs_before_torch_2_13(t
         want = 5 * 16 * 4096 * 6 * 2 * (2 * 1408 + 2048)  # 5 MoE layers x rows x bf16 x (gate + up + down)
         assert on - off == (pytest.approx(want, rel=1e-12) if kept else 0)
         if kept:
-            assert want / 2**30 == pytest.approx(17.8, abs=0.05)  # call 43 measured +17.9 GiB
+            assert want / 2**30 == pytest.approx(17.8, abs=0.05)  # measured: +17.9 GiB
         for ac in ("none", "selective"):  # nothing extra where nothing is recomputed the plain way
             assert len({memory(terms, c, plan.replace(activation_checkpointing=ac, fp8_experts=e), 16).total
                         for e in (False, True)}) == 1

@@ -166,14 +166,15 @@ def test_replay_with_too_little_cache_preempts_and_recomputes():
 
 
 @pytest.mark.parametrize("path,name", [
-    ("2026-12-01/infer-call-3.json", "llama8b"),  # 1,000 requests, 256 sequences, 8,192 tokens a step
+    ("2026-12-01/bench-infer-8b-vs-hf-generate.json", "llama8b"),  # 1,000 requests, 256 sequences, 8,192 tokens a step
     ("2026-12-04/bench-infer-fused-moe-all-shapes.json", "qwen"),
     ("2026-12-04/bench-infer-fused-moe-all-shapes.json", "v2lite"),  # 500 requests
-    ("2026-12-01/infer-call-4.json", "qwen-wide"),  # 1,024 sequences, 16,384 tokens a step
-    ("2026-12-01/infer-call-4.json", "offline-c32"),  # 128 x (512 + 128), 32 sequences
+    # 1,024 sequences, 16,384 tokens a step
+    ("2026-12-01/bench-infer-1.5b-vs-hf-generate-and-stress.json", "qwen-wide"),
+    ("2026-12-01/bench-infer-1.5b-vs-hf-generate-and-stress.json", "offline-c32"),  # 128 x (512 + 128), 32 sequences
     ("2026-12-04/bench-infer-fused-moe-all-shapes.json", "stress"),  # 512 x (2,048 + 128) in 25% of the GPU
-    ("2026-12-01/infer-call-4.json", "stress"),
-    ("2026-12-01/infer-call-a.json", "stress"),
+    ("2026-12-01/bench-infer-1.5b-vs-hf-generate-and-stress.json", "stress"),
+    ("2026-12-01/bench-infer-8b-1.5b-stress.json", "stress"),
 ])
 def test_replay_makes_the_steps_and_preemptions_the_engine_logged(path, name):
     """The engine's own step count and preemptions for measured offline runs, replayed at their settings and their
@@ -202,7 +203,7 @@ def test_predictions_at_batch_1_and_64_are_within_15_percent_of_the_rows_fitted_
          (128, 256)),
         ("2026-12-04/bench-infer-fused-moe-all-shapes.json", "qwen", "deepseek-r1-distill-qwen-1.5b", 1, (128, 256)),
         ("2026-12-04/bench-infer-fused-moe-all-shapes.json", "v2lite", "deepseek-v2-lite", 1, (128, 256)),
-        ("2026-12-01/infer-call-3.json", "llama8b", "deepseek-r1-distill-llama-8b", 64, (512, 128)),
+        ("2026-12-01/bench-infer-8b-vs-hf-generate.json", "llama8b", "deepseek-r1-distill-llama-8b", 64, (512, 128)),
         ("2026-12-04/bench-infer-fused-moe-all-shapes.json", "v2lite", "deepseek-v2-lite", 64, (2048, 128)),
     ]
     for path, name, preset, n, (p, o) in rows:

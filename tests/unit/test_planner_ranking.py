@@ -1,4 +1,4 @@
-"""The planner's ranking (issue #17): compiled plans, the memory headroom, `plan --scaling` (only what `paraseek train`
+"""The planner's ranking: compiled plans, the memory headroom, `plan --scaling` (only what `paraseek train`
 accepts, weak scaling, flat FSDP vs HSDP across nodes, 100 columns), GPUs without bf16, inference batches that do not
 fit. Fast (CPU, seconds); no number asserted here is an output of the code under test taken as truth: the checks are
 directions, bounds, rankings and the engine's own validation."""
@@ -91,22 +91,23 @@ def test_compiled_is_never_slower_nor_larger_than_eager(name, gpus, plan, gbs):
     assert compiled.time.total < eager.time.total
 
 
-def test_issue_17_a_compiled_plan_with_headroom_wins_the_7b_on_one_h200():
-    """Issue #17: --plan auto picked mbs 2 AC none eager (predicted 134 GiB, measured 130 GiB of 140: allocator
-    thrash, 7,415 tokens/s) over the documented mbs 2 selective --compile (measured 12,455 tokens/s at 106 GiB)."""
+def test_a_compiled_plan_with_headroom_wins_the_7b_on_one_h200():
+    """The 7B on one H200 at global batch 2: mbs 2 without checkpointing, eager (predicted 134 GiB; measured 130 GiB
+    of 140 and 7,415 tokens/s, the allocator thrashing) must lose to mbs 2 selective --compile (measured 12,455
+    tokens/s at 106 GiB; BENCHMARKS.md, "Memory headroom")."""
     a, c = model("deepseek-llm-7b"), make_cluster("H200", 1)
     best = best_plan(a, c, 4096, 2)
     assert best.plan.compile and not best.tight
     eager_twin = evaluate(a, c, best.plan.replace(compile=False), 4096, 2)
     assert best.tokens_per_s_per_gpu > eager_twin.tokens_per_s_per_gpu
-    # The issue's pick fits, is predicted faster than every eager plan with room, and still loses to them: it is
+    # The thrashing plan fits, is predicted faster than every eager plan with room, and still loses to them: it is
     # above the headroom.
-    issue_pick = evaluate(a, c, Plan(micro_batch_size=2, activation_checkpointing="none"), 4096, 2)
-    assert not issue_pick.reason and issue_pick.tight
-    assert issue_pick.memory.total > MEMORY_HEADROOM * c.memory_gib * 2**30
+    thrashing = evaluate(a, c, Plan(micro_batch_size=2, activation_checkpointing="none"), 4096, 2)
+    assert not thrashing.reason and thrashing.tight
+    assert thrashing.memory.total > MEMORY_HEADROOM * c.memory_gib * 2**30
     eager_first = best_plan(a, c, 4096, 2, compile=False)
-    assert not eager_first.tight and eager_first.plan != issue_pick.plan
-    assert issue_pick.tokens_per_s_per_gpu > eager_first.tokens_per_s_per_gpu
+    assert not eager_first.tight and eager_first.plan != thrashing.plan
+    assert thrashing.tokens_per_s_per_gpu > eager_first.tokens_per_s_per_gpu
     why = explain(a, c, best, 4096, 2)
     assert why.startswith("compile: +") and "memory" in why and "\n" not in why
 
@@ -138,7 +139,7 @@ def test_a_v100_plan_trains_in_fp16_and_train_accepts_it():
 
 
 def test_infer_fp16_weights_and_a_batch_that_does_not_fit_is_reported_not_capped():
-    """The seed's case: an inference service on 4x V100 that ran out of memory above a batch size. A batch that
+    """A reported case: an inference service on 4x V100 that ran out of memory above a batch size. A batch that
     does not fit is a reason with the largest one that does, not a row priced at a smaller batch."""
     base = ["--model", "deepseek-r1-distill-qwen-1.5b", "--mode", "infer", "--gpus", "4", "--gpu-type",
             "V100-16GB", "--seq-len", "4096", "--json"]
@@ -238,7 +239,7 @@ def test_fp8_expert_plans_are_priced_ranked_and_accepted_by_train(monkeypatch):
 
 
 def test_the_67b_case_falls_with_flat_sharding_across_nodes_and_recovers_with_hsdp():
-    """The seed's case (DeepSeek-LLM-67B on 4, 8, 16 A100-80GB, 8 per node: efficiency 82% -> 53% at 16 GPUs, 78%
+    """A reported case (DeepSeek-LLM-67B on 4, 8, 16 A100-80GB, 8 per node: efficiency 82% -> 53% at 16 GPUs, 78%
     with hierarchical all-reduce). On a network with a small NIC share per GPU (1.5 GB/s: one 100 Gb/s NIC for 8
     GPUs), sharding flat over two nodes falls below one node's efficiency and HSDP (shard inside the node, replicate
     across) recovers; with one 200 Gb/s NIC per GPU the flat ring's NICs carry it and the fall is gone."""

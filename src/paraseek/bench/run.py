@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def serve_alias(argv: list[str]) -> list[str]:
-    """`paraseek bench --serve URL FLAGS` (the issue's and `vllm bench serve`'s spelling) as `paraseek bench-serve
+    """`paraseek bench --serve URL FLAGS` (vLLM's spelling, as in `vllm bench serve`) as `paraseek bench-serve
     URL FLAGS`; any other command line unchanged."""
     if not argv or argv[0] != "bench":
         return argv

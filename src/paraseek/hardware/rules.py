@@ -175,7 +175,7 @@ def rule_mixed_gpus(m: Machine) -> Iterable[Finding]:
             yield Finding("warning", "CUDA_DEVICE_ORDER", f"different GPU models on one node{_where(m, [n])} and "
                           f"CUDA_DEVICE_ORDER is {n.get('env', {}).get('CUDA_DEVICE_ORDER', 'unset')}",
                           "CUDA numbers GPUs fastest first, nvidia-smi and NVML by PCI bus, so CUDA_VISIBLE_DEVICES=0 "
-                          "may not be the GPU nvidia-smi calls 0", "export CUDA_DEVICE_ORDER=PCI_BUS_ID", n["node"])
+                          "may not be nvidia-smi's GPU 0", "export CUDA_DEVICE_ORDER=PCI_BUS_ID", n["node"])
 
 
 def rule_unequal_memory(m: Machine) -> Iterable[Finding]:

@@ -202,7 +202,8 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(B, T, H, self.rope_dim)], dim=-1)
         # q/k head dim 192, v 128: SDPA runs cuDNN's kernel, 357 TFLOP/s forward+backward on H200 at V2-Lite's shape;
-        # padding v to 192 for the flash kernel measured 2.3x slower (BENCHMARKS.md, "MLA attention").
+        # padding v to 192 for the flash kernel measured 2.3x slower
+        # (benchmarks/2026-11-30/train-v2lite14-padded-mla-attention.json; BENCHMARKS.md, "The compile terms").
         o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.softmax_scale, mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * self.v_dim))
 

@@ -47,7 +47,7 @@ def _scaled_grouped_mm(a_MK: torch.Tensor, b_EKN: torch.Tensor, a_inv_M: torch.T
     offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     # Fast accumulation (the tensor cores' own, without cutlass's periodic promotion to fp32): 1.4x faster on
     # DeepSeek-V2-Lite's MoE layer at 8,192 tokens, and the errors against fp32 the same to 3 digits (BENCHMARKS.md,
-    # FP8, call 35). torchao's dense recipes take it for their forward GEMM.
+    # "Float8 routed experts"). torchao's dense recipes take it for their forward GEMM.
     return torch._scaled_grouped_mm(a_MK, b_EKN, a_inv_M, b_inv_EN, offs=offs_E, out_dtype=torch.bfloat16,
                                     use_fast_accum=True)
 

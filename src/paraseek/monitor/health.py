@@ -1,6 +1,6 @@
 """Health checks run every step: NaN/Inf, loss spikes, gradient-norm explosions and stragglers.
 
-Events are dicts in the JSONL schema of DESIGN.md: {"event", "step", "rank", "detail", ...}.
+Events are dicts in the JSONL schema of docs/design.md: {"event", "step", "rank", "detail", ...}.
 
 Spikes use a robust z-score (Iglewicz & Hoaglin 1993, "modified z-score"): z = (x - median) / (1.4826 * MAD) over the
 last `window` values. Median and MAD ignore the outliers they are looking for, where mean and standard deviation

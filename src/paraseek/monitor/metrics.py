@@ -1,4 +1,4 @@
-"""Per-step metrics from rank 0: a console line with ETA, JSONL (schema in DESIGN.md) and TensorBoard scalars."""
+"""Per-step metrics from rank 0: a console line with ETA, JSONL (schema in docs/design.md) and TensorBoard scalars."""
 
 from __future__ import annotations
 

@@ -99,7 +99,8 @@ HOST_TP_FACTOR = 3.66  # DTensor dispatch on every op of a tensor-parallel block
 # (train/loop.py). Fitted to the compiled runs of the current engine (docs/planner.md, "torch.compile": which runs,
 # which were held out, the errors; scripts/planner/compiled_fit.py refits them):
 # linears and routed experts reach this factor more of their eager in-training rate: 0.73 -> 0.85 of the GEMM
-# ceiling for linears, below the 0.96 that the bare kernels reach (bench --calibrate, call 12): the launch gaps and
+# ceiling for linears, below the 0.96 that the bare kernels reach (bench --calibrate on 2x H200,
+# benchmarks/2026-11-30/h200-calibrated-profile.json): the launch gaps and
 # the unfused kernels between the GEMMs, which the eager rates absorb, mostly go.
 COMPILE_GEMM_GAIN = 1.17
 # HBM bytes per saved-activation byte of the fused elementwise kernels (eager: ELEM_TRAFFIC). The fit puts it at its
@@ -128,14 +129,15 @@ FP8 = 1  # bytes per param of a float8 all-gather
 # the same rows: FP8_GROUPED_SPEEDUP x (rows + GROUPED_HALF_ROWS) / (rows + FP8_GROUPED_HALF_ROWS), slower below
 # ~1,470 rows per expert and up to 1.75x with many. Fitted on DeepSeek-V2-Lite cut to 6 layers on one H200
 # (compiled, no checkpointing, seq 4096, micro-batch 2-16 = 768-6,144 rows), the step-time ratio of `--fp8
-# tensorwise --fp8-experts on` to `--fp8 tensorwise` (calls 33, 35, 41, 42 of 2026-12-03; docs/planner.md, "FP8").
+# tensorwise --fp8-experts on` to `--fp8 tensorwise` (benchmarks/2026-12-03/fp8-v2lite6-*.json; docs/planner.md, "FP8").
 FP8_GROUPED_SPEEDUP = 1.75
 FP8_GROUPED_HALF_ROWS = 1890
 
 # Tensorwise's float8 all-gather (FSDP2 with a shard > 1) casts each rank's fp32 shard in FSDP2's eager pre-gather
 # hook, every gather: a scale multiply, a clamp and a convert (4+4, 4+4, 4+1 = 21 B a parameter), in place of the
 # cast fused into the compiled linear (a bf16 read, its abs-max read, a float8 write: 5 B). From the kernels, not
-# fitted; on one rank it comes to 15.7 B measured (7B, call 19: 15,106 vs 16,530 tokens/s with and without it).
+# fitted; on one rank it comes to 15.7 B measured (7B: 15,106 vs 16,530 tokens/s with and without it in one run,
+# benchmarks/2026-12-02/fp8-7b-tensorwise-vs-torchtitan.json).
 FP8_GATHER_CAST_BYTES = 21 - 5
 
 
@@ -279,8 +281,8 @@ def bubble(plan: Plan) -> float:
 def host_time(s: RankShare, plan: Plan) -> float:
     """Host seconds per micro-batch to launch this pp rank's blocks (eager mode; see HOST_BLOCK_S). Compiled, a block
     launches its graph's few fused kernels, and what stays on the host is outside the graph: FSDP2's hooks and EP's
-    syncs (not fitted: no compiled run measured so far was host-bound; call 9's profiled V2-Lite step kept the GPU
-    busy 476 of 508 ms)."""
+    syncs (not fitted: no compiled run measured so far was host-bound; a profiled compiled V2-Lite step kept the GPU
+    busy 476 of 508 ms: benchmarks/2026-11-30/train-v2lite14-mbs4-compiled-profile-rank0.summary.json)."""
     if plan.compile:
         return s.n_moe * HOST_EP_S * (plan.ep > 1) + len(s.layers) * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
     n_dense = len(s.layers) - s.n_moe

@@ -48,9 +48,9 @@ class KernelClass:
 #             the 8B profile's gate|up 56.3 us (235 MB), down 31.4 (117 MB, with its split-K reduce), q|k|v 15.5
 #             (50 MB), o 12.6 (34 MB), head 244 (1,051 MB) and the V2-Lite profile's head 104.7 (419 MB), in_proj +
 #             o 12.1 (23 MB), W_UK / W_UV 3.5 / 3.2 (2 MB), dense gate|up 24.8 (90 MB), down 14.8 (45 MB). FLOPs at
-#             0.80 of the GEMM rate: the 8B's decode at 256 sequences (2026-12-01/infer-call-3.json, concurrency
-#             rows: 13.14 ms a step, priced 13.2) and its offline run, whose prefills are compute-bound (same file:
-#             9,312 output tokens/s, priced 9,115).
+#             0.80 of the GEMM rate: the 8B's decode at 256 sequences
+#             (2026-12-01/bench-infer-8b-vs-hf-generate.json, concurrency rows: 13.14 ms a step, priced 13.2) and its
+#             offline run, whose prefills are compute-bound (same file: 9,312 output tokens/s, priced 9,115).
 #   moe       the fused-MoE gate|up and down kernels (infer/moe_kernels.py) over the experts some token routes to
 #             and the shared ones, loads and multiplies in turn: 2026-12-04/fused-moe-tuning-v2lite-h200.txt
 #             (router + route + align + both kernels + combine, 1 to 512 tokens: 55.8 to 528.2 us) is priced
@@ -103,9 +103,10 @@ class HostCosts:
 # 1.5B's 12.2 ms for 654 host calls, V2-Lite's 19.8 ms for 1,186; host-bound: their kernels take 2.1 and 9.7 ms).
 # seq_s, eager_seq_s and the split of the intercept: the offline runs at 256 sequences, where most eager steps
 # (prefill chunks beside 256 decodes) are host-bound (the 1.5B: 14.8 s, 1,422 steps, 528 of them eager, priced
-# 15.7 s; V2-Lite: 18.5 s, 917 steps, priced 17.5 s), and the 1.5B at 1,024 sequences (2026-12-01/infer-call-4.json,
-# older code: 7.36 s, priced 6.85 s). step_s: not seen (every measured graph step was GPU-bound); the order of the
-# profile's engine step less its replay at batch 1 (2026-12-01/infer-call-2-profile-serve.json: 4.94 - 4.67 ms).
+# 15.7 s; V2-Lite: 18.5 s, 917 steps, priced 17.5 s), and the 1.5B at 1,024 sequences
+# (2026-12-01/bench-infer-1.5b-vs-hf-generate-and-stress.json, older code: 7.36 s, priced 6.85 s). step_s: not seen
+# (every measured graph step was GPU-bound); the order of the profile's engine step less its replay at batch 1
+# (2026-12-01/bench-infer-8b-decode-profile-and-serve.json: 4.94 - 4.67 ms).
 HOST = HostCosts(step_s=0.3e-3, eager_step_s=2.0e-3, seq_s=12e-6, eager_seq_s=20e-6, call_s=14.3e-6,
                  first_token_s=0.55e-3)
 

@@ -41,7 +41,8 @@ NCCL_BUFFERS_PER_GROUP = 0.125 * GiB  # NCCL channel buffers of one communicator
 LOSS_BYTES_PER_LOGIT = 10  # bf16 logits + fp32 copy + fp32 log-softmax (saved) at the cross-entropy
 LOGIT_GRAD_BYTES = 6  # early backward: the logits' fp32 grad and its bf16 cast
 MOE_IMBALANCE = 1.1  # busiest expert rank's share over the mean (aux-loss-free balancing is good, not perfect)
-OPTIM_TEMP_BYTES = 0  # AdamW(fused=True) as the anchors and TorchTitan run it; foreach would add 4 B/param (sqrt temp)
+# AdamW(fused=True) as the HF + FSDP2 baseline and TorchTitan run it; foreach would add 4 B/param (sqrt temp)
+OPTIM_TEMP_BYTES = 0
 # The compiled loss (train/loop.py: --compile without tp/pp) fuses the fp32 cast, log-softmax and gather: it keeps the
 # bf16 logits (and an fp32 log-sum-exp per token) for backward, and its backward writes the bf16 grad directly, while
 # the logits are still alive.
@@ -55,8 +56,9 @@ def compiled_ac_saves_fp8_expert_outputs() -> bool:
     custom autograd.Function, models/fp8_grouped.py) instead of recomputing them: torch before 2.13 tags a plain
     checkpoint's ops for recompute before the Function's ops are inlined, so the partitioner saves them (pytorch
     #177396; torch 2.13 checkpoints through the selective path, which tags them: tests/unit/test_fp8.py checks this
-    rule against the installed torch). Measured on torch 2.11: +3.6 GiB a MoE layer at 64k tokens (BENCHMARKS.md, FP8,
-    call 43). 2.12 is not checked and taken as affected. The installed torch is what the run will use."""
+    rule against the installed torch). Measured on torch 2.11: +3.6 GiB a MoE layer at 64k tokens (BENCHMARKS.md,
+    "Float8 routed experts"). 2.12 is not checked and taken as affected. The installed torch is what the run will
+    use."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -556,7 +558,8 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
             "head_backward": base + acc + bf16 + acts + head_grads + grad_bytes * logits + dispatch,
             # early backward: a block rematerialized and its grads being reduced; the logits' grads are freed once
             # the head's backward has made its input's grad (measured: counting both together over-predicted the
-            # no-checkpointing 1-GPU runs of call 18 by 3-5 GiB, about the smaller of the two)
+            # no-checkpointing 1-GPU runs of benchmarks/2026-12-02/compiled-oos-1gpu-c-measured.json by 3-5 GiB,
+            # about the smaller of the two)
             "backward": base + acc + bf16 + acts + recompute + unreduced + dispatch,
             # pipelined: each block's unsharded grads are freed as its sharded ones are written
             "end_of_backward": base + bf16 + (max(grads, unreduced) if pipelined else grads + unreduced),

@@ -43,8 +43,9 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         # FSDP2's reduce-scatter copy-in (aten::_chunk_cat) builds host metadata of one int64 per 2 KiB of gradient,
         # megabytes per block per step. After a fresh torch.compile, glibc served those from new mmaps (page faults
-        # on every call): V2-Lite-12 at mbs 1 ran 0.31-0.43 s a step instead of 0.23 (BENCHMARKS.md, calls 26-29).
-        # Kept on the heap below 32 MiB and not trimmed back, it runs at 0.23 from a fresh compile too.
+        # on every call): V2-Lite-12 at mbs 1 ran 0.31-0.43 s a step instead of 0.23. Kept on the heap below 32 MiB
+        # and not trimmed back, it runs at 0.23 from a fresh compile too (BENCHMARKS.md, "Host settings of the GPU
+        # training workers").
         env["GLIBC_TUNABLES"] = GLIBC_TUNABLES
     return env
 

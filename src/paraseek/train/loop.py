@@ -253,8 +253,9 @@ class Run:
         if step == self.start_step + 1:
             # The garbage that building and compiling left is collected once, between steps, and what survives
             # (FX graphs, guards, inductor's caches) is frozen out of later collections. Measured on one H200 from a
-            # fresh compile (call 26): V2-Lite-8 0.174 s a step vs 0.196 without, V2-Lite-12 0.359 vs 0.416; the
-            # collector itself ran under 1.5 ms a step either way (gc_s), so the gain is not its walk.
+            # fresh compile (benchmarks/2026-12-03/train-host-gc-freeze.json): V2-Lite-8 0.174 s a step vs 0.196
+            # without, V2-Lite-12 0.359 vs 0.416; the collector itself ran under 1.5 ms a step either way (gc_s), so
+            # the gain is not its walk.
             gc.collect()
             gc.freeze()
             self.gc_clock.take()  # that collection ran between steps, not in one
