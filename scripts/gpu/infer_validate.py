@@ -1,6 +1,7 @@
-"""The inference table on the GPU machine in one call: the engine's GPU tests, `paraseek bench-infer` on the
-R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf16 weights), the seed's 512 x
-2,048-token stress case, and the baselines of ../shared/anchors (HF `generate`, gpt-fast) in the same call.
+"""The inference measurements on a GPU machine in one run: the engine's GPU tests, `paraseek bench-infer` on the
+R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf16 weights), 512 concurrent
+2,048-token prompts on a quarter of the GPU, and the baselines (HF `generate`, gpt-fast; their scripts in the folder
+--anchors names) in the same run.
 
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
@@ -40,7 +41,7 @@ if os.environ.get("INFER_VALIDATE_TINY") == "1":  # a CPU dry run of this script
     LLAMA, QWEN, V2LITE = "tiny-dense", "tiny-dense", "tiny-moe"
 
 
-_DEADLINE = time.time() + float(os.environ.get("INFER_DEADLINE_S", "1e9"))  # the whole call's: cut a run, keep the rest
+_DEADLINE = time.time() + float(os.environ.get("INFER_DEADLINE_S", "1e9"))  # the whole run's: cut a run, keep the rest
 
 
 def sh(argv: list[str], timeout: int, env: dict | None = None) -> tuple[int, str]:
@@ -287,7 +288,7 @@ def group_attn_tune(out: Path, anchors: str) -> list[dict]:
 
 
 def group_stress(out: Path, anchors: str) -> list[dict]:
-    """The seed's failure: R1-Distill-Qwen-1.5B, 512 concurrent requests of 2,048-token prompts."""
+    """Many long prompts on little memory: R1-Distill-Qwen-1.5B, 512 concurrent requests of 2,048-token prompts."""
     # At 25% of the GPU (35 GiB) the pool holds fewer tokens than 512 x 2,176: the scheduler must preempt.
     return [bench(out, "stress", QWEN, "--workloads", "throughput", "--num-requests", "512", "--input-len", "2048",
                   "--output-len", "128", "--max-num-seqs", "512", "--gpu-memory-utilization", "0.25")]
@@ -539,7 +540,7 @@ def main() -> None:
     for g in a.groups.split(","):
         print(f"== {g}", flush=True)
         results += globals()[f"group_{g}"](out, a.anchors)
-        (out / "summary.json").write_text(json.dumps(results, indent=1, default=str))  # kept if the call is cut
+        (out / "summary.json").write_text(json.dumps(results, indent=1, default=str))  # kept if the run is cut short
     print("\n".join(row(r) for r in results), flush=True)
 
 

@@ -292,8 +292,8 @@ class _Server:
 
 
 # The server's tokens per step. Measured on one H200 (R1-Distill-Llama-8B shape, 512-token prompts, 128 output
-# tokens, BENCHMARKS.md "Serving"), at concurrency 32: 8,192 gave a median TTFT of 351-373 ms and 3,390-3,495 output
-# tokens/s, 2,048 gave 275 ms and 3,538, 1,024 gave 177 ms and 3,237 (86% of the offline engine). A burst of prompts is
+# tokens, BENCHMARKS.md "Serving"), at concurrency 32: 8,192 gave a median TTFT of 373 ms and 3,390 output tokens/s,
+# 2,048 gave 275 ms and 3,538, 1,024 gave 177 ms and 3,237 (86% of the offline engine). A burst of prompts is
 # prefilled a few per step instead of 16 at once, so first tokens (and the next arrivals) spread out; the price is
 # throughput at high concurrency (4,254 against 4,830 tokens/s at 64) and long prompts prefilled in more steps.
 # --max-batched-tokens 8192 is the throughput setting.
