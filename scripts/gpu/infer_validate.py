@@ -545,8 +545,9 @@ def group_spec(out: Path, anchors: str) -> list[dict]:
                    str(work / "v3spec"), "--data", str(BUNDLED_CORPUS), "--seq-len", seq, "--global-batch-size", batch,
                    "--micro-batch-size", micro, "--steps", steps, "--mtp-layers", "1", "--export-hf", str(model),
                    "--checkpoint-dir", str(work / "ckpt")], 1500)
-    losses = [l for l in text.splitlines() if "mtp_loss_1" in l][-1:]
-    results = [{"name": "spec-train", "rc": rc, "lines": losses or text.splitlines()[-3:]}]
+    steps_done = [l for l in text.splitlines() if l.startswith("step ")][-1:]  # loss and mtp loss at the end
+    results = [{"name": "spec-train", "rc": rc, "lines": steps_done + [l for l in text.splitlines()
+                                                                       if l.startswith("done:")]}]
     if rc:
         return results
     text_file = str(sorted(BUNDLED_CORPUS.glob("*.txt"))[0])
@@ -561,11 +562,13 @@ def group_spec(out: Path, anchors: str) -> list[dict]:
         tpot0, tpot = base.get("latency", {}).get("tpot_ms"), r.get("latency", {}).get("tpot_ms")
         a = spec.get("acceptance_per_position", [None])[0]
         r["speedup"] = tpot0 / tpot if tpot0 and tpot else None
-        r["expected_speedup"] = expected_speedup(spec["acceptance_rate"], k, c) if spec.get("acceptance_rate") else None
-        r["lines"] = [f"K={k} acceptance {spec.get('acceptance_rate') or 0:.1%} (first draft {a or 0:.1%}), "
-                      f"{spec.get('mean_accepted_length') or 0:.2f} tokens/step, TPOT {tpot or 0:.2f} ms vs "
-                      f"{tpot0 or 0:.2f} ms: {r['speedup'] or 0:.2f}x (expected {r['expected_speedup'] or 0:.2f}x "
-                      f"at a draft cost of {c:.2f} steps)"]
+        rate = spec.get("acceptance_rate")
+        r["expected_speedup"] = expected_speedup(rate, k, c) if rate is not None else None
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        r["lines"] = [f"K={k} acceptance {fmt(rate, '.1%')} (first draft {fmt(a, '.1%')}), "
+                      f"{fmt(spec.get('mean_accepted_length'), '.2f')} tokens/step, TPOT {fmt(tpot, '.2f')} ms vs "
+                      f"{fmt(tpot0, '.2f')} ms: {fmt(r['speedup'], '.2f')}x (expected "
+                      f"{fmt(r['expected_speedup'], '.2f')}x at a draft cost of {c:.2f} steps)"]
         return r
 
     base = run("spec-none")
