@@ -170,7 +170,7 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(folders):
                                                                          ignore_eos=True))
 
 
-# ---- the MTP drafter against the training model's module --------------------------------------------------------------
+# ---- the MTP drafter against the training model's module -------------------------------------------------------------
 def _mtp_reference_drafts(model, ids: list[int], k: int) -> list[int]:
     """Greedy drafts after the sequence `ids` by V3's formula on the training model: row i of the module combines
     h_i (the last block's output) with the embedding of token i + 1; the last row's prediction is draft 1; draft
@@ -213,7 +213,7 @@ def test_mtp_drafts_are_the_training_modules(variant, folders):
     assert checked >= 12
 
 
-# ---- rejection sampling keeps the distribution --------------------------------------------------------------------------
+# ---- rejection sampling keeps the distribution -----------------------------------------------------------------------
 def _target_probs(logits_V: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
     """softmax(logits / T) over the top-k tokens: written out here, not the sampler's code."""
     keep = logits_V.topk(top_k).indices
@@ -309,7 +309,32 @@ def test_rejection_sampling_keeps_the_target_distribution(drafter, folders):
     assert _chi_square_p_value(second, _target_probs(logits1, T, top_k)) > ALPHA
 
 
-# ---- prompt lookup, counts ----------------------------------------------------------------------------------------------
+def test_verification_in_chunks_of_rows_gives_the_same_tokens(monkeypatch):
+    """A large step is verified a chunk of whole requests at a time (bounded memory, as plain sampling): seeded
+    requests get the same tokens and log-probabilities."""
+    from paraseek.infer import sampling
+
+    torch.manual_seed(0)
+    V = 50
+    logits = torch.randn(18, V) * 3
+    best = logits.argmax(-1).tolist()  # drafts that are the argmax at their rows: accepted (greedy) or likely
+    spec = [(best[0:3], 0.8), ([], 0.0), (best[5:7], 0.0), ([9], 1.0), ([2, 5, 8], 0.0), ([], 0.7), (best[15:17], 0.0)]
+    assert sum(len(d) + 1 for d, _ in spec) == 18
+
+    def groups():
+        return [Verify(d, None, [SampleRow(SamplingParams(temperature=t, top_p=0.9, logprobs=1), [], [],
+                                           torch.Generator().manual_seed(i))] * (len(d) + 1))
+                for i, (d, t) in enumerate(spec)]
+
+    whole = verify(logits, groups())
+    monkeypatch.setattr(sampling, "SAMPLE_CHUNK_LOGITS", 3 * V)  # three rows a chunk: a 4-row request alone
+    chunked = verify(logits, groups())
+    assert [v.tokens for v in chunked] == [v.tokens for v in whole]
+    assert [v.logprobs for v in chunked] == [v.logprobs for v in whole]
+    assert any(v.accepted for v in whole)
+
+
+# ---- prompt lookup, counts -------------------------------------------------------------------------------------------
 def _brute_force_lookup(ids, n_min, n_max, k):
     for n in range(n_max, n_min - 1, -1):
         if n >= len(ids):
@@ -355,7 +380,7 @@ def test_a_model_without_mtp_weights_is_refused_in_one_line(folders):
         Engine(model, EngineConfig(block_size=8, num_kv_blocks=64, speculative="mtp"), log=lambda *_: None)
 
 
-# ---- the commands ---------------------------------------------------------------------------------------------------------
+# ---- the commands ----------------------------------------------------------------------------------------------------
 def _jsonl(path, prompts):
     import json
 
@@ -386,8 +411,8 @@ def test_bench_infer_reports_acceptance_per_position(folders, capsys):
 
     from paraseek.cli import main
 
-    argv = ["bench-infer", str(folders[f"{MLA}-predictable"]), "--speculative", "ngram", "--num-speculative-tokens", "2",
-            "--ngram-min", "1", "--num-requests", "4", "--input-len", "4:20", "--output-len", "20:30",
+    argv = ["bench-infer", str(folders[f"{MLA}-predictable"]), "--speculative", "ngram",
+            "--num-speculative-tokens", "2", "--ngram-min", "1", "--num-requests", "4", "--input-len", "4:20", "--output-len", "20:30",
             "--latency-input", "16", "--latency-output", "30", "--reps", "1", "--concurrency", "1,3",
             "--concurrency-input", "16", "--concurrency-output", "30", "--max-num-seqs", "4"]
     assert main(argv + ["--json"]) == 0

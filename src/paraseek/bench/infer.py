@@ -306,7 +306,8 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
             step = statistics.median(w for w, _ in decode) if decode else float("nan")
             floor = statistics.median(f for _, f in decode) if decode else float("nan")
             rows.append({"concurrency": c, "decode_ms_per_step": step * 1e3, "roofline_ms_per_step": floor * 1e3,
-                         "decode_tokens_per_s": rate(step), "output_tokens_per_s": sum(r.num_output for r in reqs) / wall,
+                         "decode_tokens_per_s": rate(step),
+                         "output_tokens_per_s": sum(r.num_output for r in reqs) / wall,
                          "roofline_fraction": floor / step, "wall_s": wall})
             if spec is not None:
                 rows[-1]["speculative"] = run.spec

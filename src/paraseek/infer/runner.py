@@ -240,6 +240,7 @@ class ModelRunner:
         """The step's logits. `src`: for each decode row, the row of `self.tokens` (a previous step's sampled tokens,
         still on the device) that is its input token, or -1 (its token is hb.ids[row])."""
         if hb.hidden_rows is not None:  # the MTP drafter (eager)
+            self._replayed = 0
             b = hb.to_device(self.device)
             h_NE = self.hidden_NE.index_select(0, _to_device(torch.from_numpy(np.asarray(hb.hidden_rows)), self.device))
             logits, self.hidden_NE = self.model.forward_mtp(b, self.cache, h_NE)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from paraseek.infer.sampling import SampleRow, chosen_logprobs, distributions, draw
+from paraseek.infer.sampling import SampleRow, chosen_logprobs, distributions, draw, sample_rows_per_chunk
 
 
 # ---- drafting on the host -------------------------------------------------------------------------------------------
@@ -132,7 +132,22 @@ class Verdict:
 
 
 def verify(logits_RV: torch.Tensor, groups: list[Verify]) -> list[Verdict]:
-    """The tokens each group's step delivers, from the target's logits of its rows (groups' rows in order)."""
+    """The tokens each group's step delivers, from the target's logits of its rows (groups' rows in order). In
+    chunks of whole groups of at most sampling.SAMPLE_CHUNK_LOGITS logits (a lone group larger than that alone), as
+    plain sampling bounds its memory."""
+    step = sample_rows_per_chunk(logits_RV.shape[1])
+    out: list[Verdict] = []
+    r0 = i0 = rows = 0
+    for i, g in enumerate(groups + [None]):
+        if g is None or (rows and rows + len(g.rows) > step):
+            out += _verify(logits_RV[r0:r0 + rows], groups[i0:i])
+            r0, i0, rows = r0 + rows, i, 0
+        if g is not None:
+            rows += len(g.rows)
+    return out
+
+
+def _verify(logits_RV: torch.Tensor, groups: list[Verify]) -> list[Verdict]:
     rows = [r for g in groups for r in g.rows]
     d = distributions(logits_RV, rows)
     dev = logits_RV.device
@@ -288,8 +303,10 @@ class MtpDrafter(Drafter):
         live = [g.req for g in order if id(g.req) in want]
         probs: dict[int, list[torch.Tensor]] = {id(r): [] for r in live}
         # 2. Each further draft: the module one position on, from its own output at the position before.
-        while True:
-            self._take(logits_SV, live, probs)
+        while live:
+            step = sample_rows_per_chunk(logits_SV.shape[1])  # bounded memory, as plain sampling's chunks
+            for i in range(0, len(live), step):
+                self._take(logits_SV[i:i + step], live[i:i + step], probs)
             live = [r for r in live if len(r.drafts) < self.limit(r)
                     and engine.scheduler.grow(r, r.num_computed + len(r.drafts))]  # the slot of its new row
             if not live:
