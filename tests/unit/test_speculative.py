@@ -435,6 +435,7 @@ def test_bench_infer_reports_acceptance_per_position(folders, capsys):
     (["--speculative", "ngram", "--num-speculative-tokens", "40", "--max-batched-tokens", "32"],
      "more than --max-batched-tokens 32"),
     (["--speculative", "mtp"], "has no MTP module"),
+    (["--speculative", "ngram", "--json-schema", "schema.json"], "a grammar-constrained output does not draft"),
 ])
 def test_bad_speculative_flags_are_one_line(flags, says, tmp_path, capsys, monkeypatch):
     from paraseek.cli import main

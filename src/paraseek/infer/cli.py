@@ -619,6 +619,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if given:  # the flags win over the folder's defaults: say what runs
         why = ("greedy" if base.greedy else ", ".join(given)) + " (flags)"
     prompts = read_prompts(ns, tokenizer, src.args.vocab_size)
+    if ns.json_schema and ns.speculative:  # every prompt constrained: none would draft
+        raise UserError("--speculative with --json-schema: a grammar-constrained output does not draft (its mask "
+                        "follows each token it accepts); leave one of them out")
     schema = _json_schema(ns.json_schema, tokenizer) if ns.json_schema else None
     params = []
     max_len = cfg.context_length(src.args)
