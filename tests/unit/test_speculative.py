@@ -129,11 +129,20 @@ def test_preemption_and_the_prefix_cache_keep_the_tokens(variant, folders):
         assert _outputs(small, prompts, params) == plain, method
         assert small.scheduler.num_preemptions > 0 and small.pool.num_used == 0
         cached = _engine(folder, speculative=method, num_speculative_tokens=3)
-        first = _outputs(cached, prompts[:1], params)
-        rest = _outputs(cached, prompts[1:], params)
+        first = cached.generate(prompts[:1], params)
+        rest = cached.generate(prompts[1:], params)
         assert cached.pool.hits >= 3 * len(prompts[1:])
-        assert first + rest == plain, method
+        assert [r.output_ids for r in first + rest] == plain, method
         assert cached.drafter.stats.num_accepted_tokens > 0
+        # Every block the prefix cache holds is a block of some request's final (verified) tokens: none holds a
+        # draft that was rejected.
+        verified = set()
+        for r in first + rest:
+            parent = None
+            for i in range(len(r.token_ids) // 8):
+                parent = cached.pool.chain_hash(parent, r.token_ids[i * 8:(i + 1) * 8])
+                verified.add(parent)
+        assert cached.pool.cached and set(cached.pool.cached) <= verified
 
 
 def test_penalties_min_tokens_and_logprobs_are_applied_to_every_verified_position(folders):

@@ -22,6 +22,10 @@ of the two halves of a block; the head split by vocabulary (its logits all-gathe
 the norms and the router stay whole, so every rank holds the whole latent cache. GQA with fewer kv heads than ranks
 replicates each kv head over tp / n_kv_heads ranks.
 
+Built with mtp=True, the model also holds DeepSeek-V3's first multi-token-prediction module (MTPLayer, same layer
+classes, a cache layer of its own after the model's), which speculative decoding drafts with (infer/spec.py): its
+forward (forward_mtp) takes the hidden states that `trunk` returns.
+
 MoE layers choose their path per step by the number of token-expert slots: the fused kernels of infer/moe.py (no
 sort, weights read once per expert tile) up to `FUSED_MAX_SLOTS`, torch._grouped_mm over tokens sorted by expert
 beyond (prefill, large batches); off CUDA the plain-torch forms of either. The two round differently in bf16 (the
