@@ -15,7 +15,9 @@ then SIGTERM, then the engine offline at the same concurrency), serve2048 and se
 (the server's CPU per streamed token by thread, and py-spy's samples at concurrency 32: carry py-spy's wheel in .whl),
 fp8 (V3's first 6 layers as an FP8 checkpoint, FP8 kept against dequantized bf16), fp8_8b (the 8B shape with
 --quantization fp8 against bf16), lora (scripts/gpu/bench_lora_decode.py: a decode step of 64 sequences on the 8B shape with 8 rank-16 LoRA adapters
-against the base model, graphs on).
+against the base model, graphs on), spec (speculative decoding: a V3-shaped model cut to fit, trained with
+--mtp-layers 1 on the bundled corpus and exported; batch-1 accept rate and speedup with --speculative mtp at K = 1, 2,
+3 and ngram on repeated passages, and throughput at 32 and 128 concurrent requests with and without it).
 All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
 last lines printed are the table.
 """
@@ -59,9 +61,10 @@ def sh(argv: list[str], timeout: int, env: dict | None = None) -> tuple[int, str
     return rc, out + ("\n" + err if err else "")
 
 
-def bench(out: Path, name: str, model: str, *flags: str, timeout: int = 240) -> dict:
+def bench(out: Path, name: str, model: str, *flags: str, timeout: int = 240, random_weights: bool = True) -> dict:
     plot = ["--plot", str(out / f"{name}.png")] if os.environ.get("BENCH_PLOTS", "1") == "1" else []
-    rc, text = sh([PY, "-m", "paraseek", "bench-infer", model, "--random-weights", "--json", *plot, *flags], timeout)
+    weights = ["--random-weights"] if random_weights else []
+    rc, text = sh([PY, "-m", "paraseek", "bench-infer", model, *weights, "--json", *plot, *flags], timeout)
     start = text.find("{\n")
     try:
         r = json.loads(text[start:text.rfind("}") + 1]) if start >= 0 else {}
@@ -497,6 +500,99 @@ def group_lora(out: Path, anchors: str) -> list[dict]:
     found = next((l for l in lines if l.startswith("LORA ")), None)
     r = json.loads(found[len("LORA "):]) if found else {}
     return [{**r, "name": "lora", "rc": rc, "lines": [l for l in lines if l.startswith("decode step of")]}]
+
+
+# Speculative decoding's expected speedup (Leviathan et al. 2023, sec. 3): with each draft accepted with probability
+# a (independently) and K drafts a step, a verification step delivers E = (1 - a^(K+1)) / (1 - a) tokens. Decode is
+# memory-bound, so the target's step over K + 1 positions costs about one decode step (it reads the same weights
+# once); if each draft costs c decode steps (the MTP layer: its one block and the head, about (1 + head) / (L + head)
+# of a step for L layers -- 1/62 of V3's layers plus a second read of the head; prompt lookup: ~0, on the host), then
+#     speedup = E / (1 + K c)
+# e.g. V3's reported 85-90% of its drafts accepted: of its one MTP draft (K = 1, c ~ 0.05): E = 1.85-1.9, speedup 1.76-1.81 --
+# the 1.8x TPS of the V3 report (sec. 5.4.3). Measured rows below put each run's own a beside it. Speculative
+# steps also give up the overlapped host work and (MTP) the CUDA graphs, which this formula does not count.
+def expected_speedup(a: float, k: int, c: float) -> float:
+    tokens = k + 1 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (1 + k * c)
+
+
+def group_spec(out: Path, anchors: str) -> list[dict]:
+    """Speculative decoding on a V3-shaped model cut to fit (MLA with q_lora, noaux_tc MoE, one MTP layer) trained
+    here for $SPEC_TRAIN_STEPS (default 300) steps on the bundled corpus with --mtp-layers 1, so that its drafts
+    mean something, and exported: bench-infer at batch 1 (prompts from the corpus) without speculation, with
+    --speculative mtp at K = 1, 2, 3, and with ngram on prompts that repeat a passage (against the same prompts
+    without it): the accept rate, the time per output token and the speedup beside expected_speedup's; then the
+    throughput of 32 and 128 concurrent requests with and without speculation."""
+    import tempfile
+
+    from paraseek.models.args import preset_config
+    from paraseek.train.data import BUNDLED_CORPUS
+
+    work = Path(tempfile.mkdtemp(prefix="spec-"))  # not under DIR: the device returns a few files only
+    cfg = dict(preset_config("deepseek-v3"), num_hidden_layers=8, first_k_dense_replace=1, hidden_size=1024,
+               num_attention_heads=16, intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64,
+               num_experts_per_tok=6, q_lora_rank=384, vocab_size=2048, max_position_embeddings=4096,
+               num_nextn_predict_layers=1)
+    cfg.pop("quantization_config", None)
+    tiny = os.environ.get("INFER_VALIDATE_TINY") == "1"  # the plumbing on CPU: tiny-moe, a few steps, short runs
+    if tiny:
+        cfg = dict(preset_config("tiny-moe"), num_nextn_predict_layers=1)
+    (work / "v3spec").mkdir()
+    (work / "v3spec" / "config.json").write_text(json.dumps(cfg))
+    model = work / "v3spec-trained"
+    steps = os.environ.get("SPEC_TRAIN_STEPS", "5" if tiny else "300")
+    seq, batch, micro = ("64", "4", "2") if tiny else ("1024", "16", "8")
+    rc, text = sh([PY, "-m", "paraseek", "train", "--device", "cpu" if tiny else "cuda", "--nproc", "1", "--model",
+                   str(work / "v3spec"), "--data", str(BUNDLED_CORPUS), "--seq-len", seq, "--global-batch-size", batch,
+                   "--micro-batch-size", micro, "--steps", steps, "--mtp-layers", "1", "--export-hf", str(model),
+                   "--checkpoint-dir", str(work / "ckpt")], 1500)
+    steps_done = [l for l in text.splitlines() if l.startswith("step ")][-1:]  # loss and mtp loss at the end
+    results = [{"name": "spec-train", "rc": rc, "lines": steps_done + [l for l in text.splitlines()
+                                                                       if l.startswith("done:")]}]
+    if rc:
+        return results
+    text_file = str(sorted(BUNDLED_CORPUS.glob("*.txt"))[0])
+    lat = ["--workloads", "latency", "--latency-input", "32" if tiny else "256", "--latency-output",
+           "16" if tiny else "256", "--reps", "1" if tiny else "3", "--prompt-text", text_file]
+
+    def run(name: str, *flags: str) -> dict:
+        return bench(out, name, str(model), *lat, *flags, timeout=300, random_weights=False)
+
+    def compare(base: dict, r: dict, k: int, c: float) -> dict:
+        spec = r.get("latency", {}).get("speculative") or {}
+        tpot0, tpot = base.get("latency", {}).get("tpot_ms"), r.get("latency", {}).get("tpot_ms")
+        a = spec.get("accepted_per_position", [None])[0]
+        r["speedup"] = tpot0 / tpot if tpot0 and tpot else None
+        rate = spec.get("accept_rate")
+        r["expected_speedup"] = expected_speedup(rate, k, c) if rate is not None else None
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        r["lines"] = [f"K={k} accepted {fmt(rate, '.1%')} (first draft {fmt(a, '.1%')}), "
+                      f"{fmt(spec.get('mean_accepted_length'), '.2f')} tokens/step, TPOT {fmt(tpot, '.2f')} ms vs "
+                      f"{fmt(tpot0, '.2f')} ms: {fmt(r['speedup'], '.2f')}x (expected "
+                      f"{fmt(r['expected_speedup'], '.2f')}x at a draft cost of {c:.2f} steps)"]
+        return r
+
+    base = run("spec-none")
+    results.append(base)
+    c_mtp = 2 / (cfg["num_hidden_layers"] + 2)  # the MTP block and the head again, against L blocks and the head
+    for k in (1, 2, 3):
+        results.append(compare(base, run(f"spec-mtp-k{k}", "--speculative", "mtp", "--num-speculative-tokens", str(k)),
+                               k, c_mtp))
+    rep = ["--prompt-repeat", "2"]
+    base_rep = run("spec-none-repeat", *rep)
+    results.append(base_rep)
+    results.append(compare(base_rep, run("spec-ngram-k3", *rep, "--speculative", "ngram", "--num-speculative-tokens",
+                                         "3"), 3, 0.0))
+    conc = ["--workloads", "concurrency", "--concurrency", "4,8" if tiny else "32,128", "--concurrency-input",
+            "32" if tiny else "512", "--concurrency-output", "16" if tiny else "256", "--prompt-text", text_file]
+    for name, flags in (("spec-c-none", []), ("spec-c-mtp-k1", ["--speculative", "mtp"]),
+                        ("spec-c-ngram-k3", ["--speculative", "ngram", "--num-speculative-tokens", "3"])):
+        r = bench(out, name, str(model), *conc, *flags, timeout=400, random_weights=False)
+        r["lines"] = [f"c{c['concurrency']}: {c['output_tokens_per_s']:,.0f} out tok/s"
+                      + (f", accepted {c['speculative']['accept_rate'] or 0:.1%}" if c.get("speculative") else "")
+                      for c in r.get("concurrency", [])]
+        results.append(r)
+    return results
 
 
 def row(r: dict) -> str:

@@ -95,14 +95,17 @@ def step_cost(engine, ceilings: dict[str, float]) -> StepCost:
 
 
 def _timed_engine(engine, cost: StepCost):
-    """Wrap the runner so each step's inputs are priced; returns the list of (wall_s, floor_s, n_decode, n_tokens)."""
+    """Wrap the runner so each forward's inputs are priced; returns the list of (wall_s, floor_s, n_decode,
+    n_tokens, drafter): a speculative drafter's forward (infer/spec.py) is logged but not priced (the rooflines
+    count the target's work)."""
     run = engine.runner.run
     log: list = []
 
     def priced(hb, patch=None):
         t0 = time.perf_counter()
         out = run(hb, patch)
-        log.append([t0, cost.add(hb), hb.n_decode, len(hb.ids)])
+        drafter = hb.hidden_rows is not None
+        log.append([t0, 0.0 if drafter else cost.add(hb), hb.n_decode, len(hb.ids), drafter])
         return out
 
     engine.runner.run = priced
@@ -170,6 +173,28 @@ def check_workloads(ns: argparse.Namespace, max_len: int) -> tuple[list[str], li
     return workloads, levels
 
 
+def text_prompts(ns: argparse.Namespace, tokenizer):
+    """--prompt-text: prompt(n, rng) -> n tokens cut from the file (the model's tokenizer) at a random offset, the
+    passage of n / --prompt-repeat tokens repeated; None without --prompt-text (random token ids)."""
+    if not ns.prompt_text:
+        return None
+    if tokenizer is None:
+        raise UserError("--prompt-text needs the model's tokenizer; this model has none (give --tokenizer)")
+    try:
+        ids = tokenizer.encode(Path(ns.prompt_text).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"--prompt-text {ns.prompt_text}: {e.strerror or e}") from None
+
+    def prompt(n: int, rng) -> list[int]:
+        w = -(-n // ns.prompt_repeat)
+        if w >= len(ids):
+            raise UserError(f"--prompt-text {ns.prompt_text} has {len(ids):,} tokens, too few for passages of {w:,}")
+        start = int(rng.integers(0, len(ids) - w))
+        return (ids[start:start + w] * ns.prompt_repeat)[:n]
+
+    return prompt
+
+
 def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -181,6 +206,9 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
     log = _timed_engine(engine, cost)
     rng = np.random.default_rng(ns.seed)
     V = engine.args.vocab_size
+    from_text = text_prompts(ns, engine.tokenizer)
+    prompt = from_text or (lambda n, rng: rng.integers(0, V, size=n).tolist())  # noqa: E731
+    spec = engine.drafter
     sync = (lambda: torch.cuda.synchronize()) if engine.device.type == "cuda" else (lambda: None)
     out: dict[str, Any] = {}
 
@@ -188,6 +216,7 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
         log.clear()
         params = [SamplingParams(max_tokens=o, temperature=ns.temperature, top_p=ns.top_p, ignore_eos=True,
                                  seed=ns.seed + i if ns.temperature > 0 else None) for i, o in enumerate(outs)]
+        before = spec.stats.snapshot() if spec is not None else None
         sync()
         t0 = time.perf_counter()
         reqs = engine.generate(prompts, params, progress=not ns.json and len(prompts) > 50)
@@ -195,27 +224,52 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
         wall = time.perf_counter() - t0
         ends = [e[0] for e in log[1:]] + [t0 + wall]
         for e, end in zip(log, ends):
-            e[0] = end - e[0]  # step wall time
+            e.append(e[0])  # its start, then
+            e[0] = end - e[0]  # its wall time
+        run.spec = spec.stats.since(before).summary() if spec is not None else None
         return reqs, wall
+
+    def decode_phase(reqs) -> tuple[float, float, list]:
+        """Speculative runs: (decode tokens, seconds from the first request's first token to the last finish,
+        the steps -- a target forward and its drafter's forwards, (wall, floor) -- that started once every request
+        had its first token)."""
+        first = [r.first_token_time for r in reqs]
+        steps = []
+        for e in log:
+            if not e[4]:
+                steps.append([e[0], e[1], e[5]])
+            elif steps:
+                steps[-1][0] += e[0]
+        return (sum(r.num_output - 1 for r in reqs), max(r.finish_time for r in reqs) - min(first),
+                [(w, f) for w, f, t in steps if t >= max(first)])
 
     workloads, levels = check_workloads(ns, engine.max_model_len)
     if "latency" in workloads:
         rows = []
         for _ in range(ns.reps + 1):  # the first repetition warms up
-            prompt = rng.integers(0, V, size=ns.latency_input).tolist()
-            reqs, wall = run([prompt], [ns.latency_output])
-            decode = [e for e in log if e[2] == 1 and e[3] == 1]
-            rows.append({"ttft_ms": (reqs[0].first_token_time - reqs[0].arrival) * 1e3,
-                         "ms_per_token": statistics.median(e[0] for e in decode) * 1e3,
-                         "roofline_ms_per_token": statistics.median(e[1] for e in decode) * 1e3, "wall_s": wall})
+            reqs, wall = run([prompt(ns.latency_input, rng)], [ns.latency_output])
+            r = reqs[0]
+            tpot = (r.finish_time - r.first_token_time) / max(r.num_output - 1, 1)
+            if spec is None:
+                decode = [e for e in log if e[2] == 1 and e[3] == 1]
+                step, floor = statistics.median(e[0] for e in decode), statistics.median(e[1] for e in decode)
+            else:  # a step delivers several tokens: the time per token, and the target's floor per token
+                _, _, steps = decode_phase(reqs)
+                step, floor = tpot, sum(f for _, f in steps) / max(r.num_output - 1, 1)
+            rows.append({"ttft_ms": (r.first_token_time - r.arrival) * 1e3, "ms_per_token": step * 1e3,
+                         "tpot_ms": tpot * 1e3, "roofline_ms_per_token": floor * 1e3, "wall_s": wall})
         rows = rows[1:]
         lat = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         lat.update(input_len=ns.latency_input, output_len=ns.latency_output, reps=ns.reps,
                    roofline_fraction=lat["roofline_ms_per_token"] / lat["ms_per_token"])
+        if spec is not None:
+            lat["speculative"] = run.spec
         out["latency"] = lat
     if "throughput" in workloads:
         n = ns.num_requests
         pairs = sample_requests(n, ns.input_len, ns.output_len, V, ns.seed)
+        if from_text is not None:  # the same lengths, the text's tokens
+            pairs = [(from_text(len(p), rng), o) for p, o in pairs]
         # Untimed warm-up on the first 16 prompts (8 tokens each): first-use costs (kernel builds, cuBLAS
         # heuristics for new shapes) are not the engine's throughput.
         run([p for p, _ in pairs[:16]], [min(o, 8) for _, o in pairs[:16]])
@@ -236,17 +290,27 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if engine.device.type == "cuda" else None,
             "memory_limit_gib": engine.cfg.gpu_memory_utilization * engine.report.total_gib,
         }
+        if spec is not None:
+            out["throughput"]["speculative"] = run.spec
     if "concurrency" in workloads:
         rows = []
         for c in levels:
-            prompts = [rng.integers(0, V, size=ns.concurrency_input).tolist() for _ in range(c)]
+            prompts = [prompt(ns.concurrency_input, rng) for _ in range(c)]
             reqs, wall = run(prompts, [ns.concurrency_output] * c)
-            decode = [e for e in log if e[2] == c and e[3] == c]
-            step = statistics.median(e[0] for e in decode) if decode else float("nan")
-            floor = statistics.median(e[1] for e in decode) if decode else float("nan")
+            if spec is None:
+                decode = [(e[0], e[1]) for e in log if e[2] == c and e[3] == c]
+                rate = lambda step: c / step  # noqa: E731
+            else:  # the steps once every request decodes; tokens over the time from first token to last finish
+                tokens, span, decode = decode_phase(reqs)
+                rate = lambda step: tokens / span  # noqa: E731
+            step = statistics.median(w for w, _ in decode) if decode else float("nan")
+            floor = statistics.median(f for _, f in decode) if decode else float("nan")
             rows.append({"concurrency": c, "decode_ms_per_step": step * 1e3, "roofline_ms_per_step": floor * 1e3,
-                         "decode_tokens_per_s": c / step, "output_tokens_per_s": sum(r.num_output for r in reqs) / wall,
+                         "decode_tokens_per_s": rate(step),
+                         "output_tokens_per_s": sum(r.num_output for r in reqs) / wall,
                          "roofline_fraction": floor / step, "wall_s": wall})
+            if spec is not None:
+                rows[-1]["speculative"] = run.spec
         out["concurrency"] = rows
     engine.runner.run = plain_run
     return out
@@ -255,8 +319,8 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
 def cmd_bench_infer(ns: argparse.Namespace) -> int:
     import torch
 
-    from paraseek.infer.cli import (build_engine, check_parallel, device_for, engine_config, place,
-                                    resolve_offline_defaults)
+    from paraseek.infer.cli import (build_engine, check_parallel, check_speculative, device_for, engine_config,
+                                    place, resolve_offline_defaults)
     from paraseek.infer.load import resolve_source
 
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
@@ -265,11 +329,20 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
             raise UserError("--layers cuts the architecture's layer count: it needs --random-weights")
         if not 1 <= ns.layers <= src.args.n_layers:
             raise UserError(f"--layers must be in 1..{src.args.n_layers} (the model's layers), got {ns.layers}")
-        src.args = src.args.replace(n_layers=ns.layers, n_mtp_layers=0)
+        # An MTP module stays for --speculative mtp (the layer after the cut is its, with random weights too).
+        src.args = src.args.replace(n_layers=ns.layers,
+                                    n_mtp_layers=src.args.n_mtp_layers if ns.speculative == "mtp" else 0)
     device = device_for(ns)
     check_parallel(ns, src.args, device)
     batch_line = resolve_offline_defaults(ns, device)
     check_workloads(ns, engine_config(ns).context_length(src.args))
+    check_speculative(ns, src)
+    if ns.prompt_repeat < 1:
+        raise UserError(f"--prompt-repeat must be >= 1, got {ns.prompt_repeat}")
+    if ns.prompt_repeat > 1 and not ns.prompt_text:
+        raise UserError("--prompt-repeat repeats passages of --prompt-text: give --prompt-text FILE")
+    if ns.prompt_text and not Path(ns.prompt_text).is_file():
+        raise UserError(f"--prompt-text {ns.prompt_text}: no such file")
     check_plot(ns.plot)
     if ns.tp * ns.dp > 1:
         raise UserError("bench-infer measures one replica on one process for now; --tp/--dp are measured with "
@@ -291,7 +364,9 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
               "torch": torch.__version__, "dtype": str(engine.runner.dtype).removeprefix("torch."),
               "engine": {"max_num_seqs": engine.cfg.max_num_seqs, "max_batched_tokens": engine.cfg.max_batched_tokens,
                          "block_size": engine.cfg.block_size, "cuda_graphs": bool(engine.runner.graphs),
-                         "max_model_len": engine.max_model_len},
+                         "max_model_len": engine.max_model_len, "speculative": engine.cfg.speculative,
+                         "num_speculative_tokens": engine.cfg.spec_tokens,
+                         "prompts": (f"{ns.prompt_text} x{ns.prompt_repeat}" if ns.prompt_text else "random ids")},
               "kv_cache": {"blocks": engine.report.num_blocks - 1, "tokens": engine.report.tokens,
                            "bytes_per_token": engine.report.bytes_per_token, "weights_gib": engine.report.weights_gib,
                            "profile_peak_gib": engine.report.peak_gib, **engine.report.extra},
@@ -310,21 +385,24 @@ def _print(r: dict[str, Any]) -> None:
     c = r["ceilings"]
     print(f"bench-infer {r['model']} on {r['device']} ({r['dtype']}), HBM {c['hbm_gbps']:,.0f} GB/s, "
           f"GEMM {c['matmul_tflops']:,.0f} TFLOP/s measured; KV cache {r['kv_cache']['tokens']:,} tokens")
+    from paraseek.infer.cli import spec_line
+
+    spec = lambda d: f"\n    {spec_line(d['speculative'])}" if d.get("speculative") else ""  # noqa: E731
     if "latency" in r:
         lat = r["latency"]
         print(f"  latency (batch 1, {lat['input_len']} prompt + {lat['output_len']} new): TTFT {lat['ttft_ms']:.1f} ms, "
               f"{lat['ms_per_token']:.2f} ms/token (roofline {lat['roofline_ms_per_token']:.2f} ms, "
-              f"{lat['roofline_fraction']:.0%})")
+              f"{lat['roofline_fraction']:.0%}){spec(lat)}")
     if "throughput" in r:
         t = r["throughput"]
         print(f"  throughput ({t['requests']} requests, input {t['input_len']}, output {t['output_len']}): "
               f"{t['output_tokens_per_s']:,.0f} output tokens/s, {t['total_tokens_per_s']:,.0f} total tokens/s, "
               f"{t['wall_s']:.1f} s (roofline {t['roofline_wall_s']:.1f} s, {t['roofline_fraction']:.0%}), "
-              f"preemptions {t['preemptions']}")
+              f"preemptions {t['preemptions']}{spec(t)}")
     for row in r.get("concurrency", []):
         print(f"  concurrency {row['concurrency']:>4}: {row['decode_ms_per_step']:.2f} ms/step, "
               f"{row['decode_tokens_per_s']:,.0f} decode tokens/s (roofline {row['roofline_ms_per_step']:.2f} ms, "
-              f"{row['roofline_fraction']:.0%})")
+              f"{row['roofline_fraction']:.0%}){spec(row)}")
 
 
 def _plot(rows: list[dict], path: str, title: str) -> None:
@@ -357,7 +435,8 @@ def register(subparsers) -> None:
         description="Measure the inference engine on random token prompts (outputs forced to their length): "
         "batch-1 latency (TTFT, ms per output token), offline throughput of --num-requests requests with uniform "
         "random lengths, and decode throughput per concurrency; each with the roofline from this GPU's measured "
-        "HBM and GEMM rates.")
+        "HBM and GEMM rates. With --speculative, each workload also reports the share of drafts accepted per position "
+        "and the mean accepted length.")
     add_engine_arguments(p, offline=True)
     p.add_argument("--workloads", default="latency,throughput,concurrency",
                    help="comma list of latency, throughput, concurrency (default: all)")
@@ -375,6 +454,11 @@ def register(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's p with --temperature (default 1.0)")
     p.add_argument("--layers", type=int, help="with --random-weights: only the first N layers of the architecture "
                    "(the dense ones it starts with included), a model cut to fit one GPU with its layers' shapes intact")
+    p.add_argument("--prompt-text", metavar="FILE.txt", help="prompts cut from this text (the model's tokenizer) at "
+                   "random offsets instead of random token ids: drafters need text a model can predict")
+    p.add_argument("--prompt-repeat", type=int, default=1, metavar="N",
+                   help="with --prompt-text: each prompt is a passage repeated N times (prompt lookup finds its "
+                   "drafts in the earlier copies; default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="FILE.png", help="decode throughput vs concurrency with its roofline")
     p.set_defaults(func=cmd_bench_infer)

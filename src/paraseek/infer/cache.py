@@ -36,10 +36,13 @@ class CacheShape:
     v_dim: int  # head dim (MHA/GQA); 0 for MLA (the value is the latent itself)
 
     @classmethod
-    def of(cls, a: ModelArgs, tp: int) -> CacheShape:
+    def of(cls, a: ModelArgs, tp: int, mtp_layers: int = 0) -> CacheShape:
+        """`mtp_layers`: the MTP drafter's blocks (infer/spec.py), cached after the model's layers (layer index
+        n_layers + k), in the same blocks and slots: a sequence's drafter K/V comes and goes with its own."""
+        n = a.n_layers + mtp_layers
         if a.is_mla:  # not split by heads: every tp rank holds the whole latent (as the planner assumes)
-            return cls(a.n_layers, True, 1, a.kv_lora_rank + a.qk_rope_head_dim, 0)
-        return cls(a.n_layers, False, max(a.n_kv_heads // tp, 1), a.head_dim, a.head_dim)
+            return cls(n, True, 1, a.kv_lora_rank + a.qk_rope_head_dim, 0)
+        return cls(n, False, max(a.n_kv_heads // tp, 1), a.head_dim, a.head_dim)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         elt = torch.empty((), dtype=dtype).element_size()

@@ -70,6 +70,23 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
                    help=f"CPU only: memory for the KV cache (default {d.kv_cache_gib})")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    sp = p.add_argument_group("speculative decoding (exact: greedy outputs are plain greedy's, sampled outputs keep "
+                              "the model's distribution; docs/serve.md)")
+    from paraseek.infer.config import SPEC_DEFAULT_TOKENS, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN
+
+    sp.add_argument("--speculative", choices=["mtp", "ngram"],
+                    help="draft tokens and verify them in one forward: mtp, with the model's own multi-token-"
+                    "prediction module (DeepSeek-V3's MTP layer, or one trained with paraseek train --mtp-layers 1; "
+                    "steps run eagerly); ngram, by prompt lookup (the tokens that followed an earlier occurrence of "
+                    "the sequence's last tokens; no extra model)")
+    sp.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                    help=f"drafts per request and step (default {SPEC_DEFAULT_TOKENS['mtp']} with mtp: V3's module "
+                    f"predicts one token ahead, and further drafts reuse it; {SPEC_DEFAULT_TOKENS['ngram']} with "
+                    "ngram)")
+    sp.add_argument("--ngram-min", type=int, metavar="N", help=f"ngram: the shortest suffix looked up (default "
+                    f"{SPEC_NGRAM_MIN})")
+    sp.add_argument("--ngram-max", type=int, metavar="N", help=f"ngram: the longest suffix looked up; the longest "
+                    f"that occurred earlier proposes (default {SPEC_NGRAM_MAX})")
     lo = p.add_argument_group("LoRA adapters (several at once, each request on its own; docs/serve.md)")
     lo.add_argument("--enable-lora", action="store_true",
                     help="allocate adapter slots (implied by the adapter and slot flags): adapters can be loaded "
@@ -149,7 +166,9 @@ def engine_config(ns: argparse.Namespace):
     cfg = EngineConfig(block_size=ns.block_size, max_num_seqs=ns.max_num_seqs, max_batched_tokens=ns.max_batched_tokens,
                        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
                        num_kv_blocks=ns.num_kv_blocks, kv_cache_gib=ns.kv_cache_gib,
-                       enable_prefix_caching=not ns.no_prefix_caching, enforce_eager=ns.enforce_eager, seed=ns.seed)
+                       enable_prefix_caching=not ns.no_prefix_caching, enforce_eager=ns.enforce_eager, seed=ns.seed,
+                       speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
+                       ngram_min=ns.ngram_min, ngram_max=ns.ngram_max)
     if lora_enabled(ns):
         cfg.max_loras = ns.max_loras if ns.max_loras is not None else max(DEFAULT_MAX_LORAS, len(lora_modules(ns)))
         cfg.max_lora_rank = ns.max_lora_rank if ns.max_lora_rank is not None else cfg.max_lora_rank
@@ -157,6 +176,27 @@ def engine_config(ns: argparse.Namespace):
             raise UserError(f"--max-loras must be >= 1, got {cfg.max_loras}")
     cfg.validate()
     return cfg
+
+
+def check_speculative(ns: argparse.Namespace, src) -> None:
+    """--speculative mtp needs the model's MTP layer: one line before any weight is read when it has none. A
+    training checkpoint holds the modules its run trained (its trainer state says how many)."""
+    if getattr(ns, "speculative", None) != "mtp":
+        return
+    from paraseek.infer.engine import no_mtp_module
+
+    held = src.args.n_mtp_layers
+    if src.kind == "hf":
+        from paraseek.train.mtp import held_modules
+
+        held = held_modules(src.args, src.path)
+    elif src.kind == "checkpoint":
+        from paraseek.train.export import with_run_mtp_modules
+
+        src.args = with_run_mtp_modules(src, src.path).args
+        held = src.args.n_mtp_layers
+    if not held:
+        raise UserError(no_mtp_module(src.spec))
 
 
 def lora_modules(ns: argparse.Namespace) -> dict[str, str]:
@@ -404,12 +444,14 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     platform.check_dtype(dtype)
     fp8, block, why = weight_format(getattr(ns, "quantization", "auto"), src, pl.device)
     t0 = time.perf_counter()
+    check_speculative(ns, src)
+    mtp = getattr(ns, "speculative", None) == "mtp"
     if src.kind == "hf":  # each rank reads its share of the safetensors, slice by slice
         model = InferenceModel.from_folder(src.path, src.args, pl.tp_group, dtype=dtype, device=pl.device,
-                                           block=block, fp8=fp8)
+                                           block=block, fp8=fp8, mtp=mtp)
     else:  # the whole training model, then laid out for inference with this rank's tp share (the rest is freed)
         model = InferenceModel.from_training(load_model(src, dtype=dtype, device=pl.device, seed=ns.seed),
-                                             pl.tp_group, fp8=fp8)
+                                             pl.tp_group, fp8=fp8, mtp=mtp)
     if pl.device.startswith("cuda"):
         torch.cuda.empty_cache()
     load_s = time.perf_counter() - t0
@@ -596,12 +638,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     check_lora_modules(ns, src.args, "--lora")
     tokenizer = load_tokenizer(src)
     cfg = engine_config(ns)
+    check_speculative(ns, src)
     defaults, why = generation_defaults(src)
     base = sampling_params(ns, defaults)
     given = [f"{k.replace('_', ' ')} {getattr(ns, k)}" for k in ("temperature", "top_p", "top_k") if getattr(ns, k) is not None]
     if given:  # the flags win over the folder's defaults: say what runs
         why = ("greedy" if base.greedy else ", ".join(given)) + " (flags)"
     prompts = read_prompts(ns, tokenizer, src.args.vocab_size)
+    if ns.json_schema and ns.speculative:  # every prompt constrained: none would draft
+        raise UserError("--speculative with --json-schema: a grammar-constrained output does not draft (its mask "
+                        "follows each token it accepts); leave one of them out")
     schema = _json_schema(ns.json_schema, tokenizer) if ns.json_schema else None
     params = []
     max_len = cfg.context_length(src.args)
@@ -640,7 +686,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                                progress=pl.rank == 0 and not ns.quiet, ids=[p.id + f"#{p.index}" for p in mine],
                                loras=[p.lora for p in mine])
         engine.shutdown()
-        results = [_result(p, r, tokenizer) for p, r in zip(mine, reqs)]
+        results = [_result(p, r, tokenizer, engine.drafter is not None) for p, r in zip(mine, reqs)]
     else:
         from paraseek.infer.engine import serve_worker
 
@@ -664,10 +710,23 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             print(f"--- {r['id']}: {head!r}\n{r['text'] if r['text'] is not None else r['token_ids']}\n", flush=True)
     print(f"generate: {len(results)} prompts, {n_out:,} new tokens in {wall:.2f} s ({n_out / wall:,.1f} tokens/s"
           f"{', replica 0' if ns.dp > 1 else ''}); preemptions {engine.scheduler.num_preemptions}", file=sys.stderr)
+    if engine.drafter is not None:
+        print(f"generate: {spec_line(engine.drafter.stats.summary())}{' (replica 0)' if ns.dp > 1 else ''}",
+              file=sys.stderr)
     return _exit(0, pl)
 
 
-def _result(p: Prompt, r, tokenizer) -> dict[str, Any]:
+def spec_line(s: dict) -> str:
+    """The accepted drafts of speculative decoding in one line (infer/spec.SpecStats.summary)."""
+    if not s["draft_tokens"]:
+        return "speculative decoding: no drafts proposed"
+    per = ", ".join(f"{a:.0%}" if a is not None else "-" for a in s["accepted_per_position"])
+    return (f"speculative decoding: {s['accepted_tokens']:,} of {s['draft_tokens']:,} drafts accepted "
+            f"({s['accept_rate']:.1%}; by position {per}), {s['mean_accepted_length']:.2f} tokens per "
+            f"verification step")
+
+
+def _result(p: Prompt, r, tokenizer, speculative: bool = False) -> dict[str, Any]:
     if r.stream is not None:
         text = r.stream.text
     else:
@@ -680,6 +739,8 @@ def _result(p: Prompt, r, tokenizer) -> dict[str, Any]:
            "cached_prompt_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
            "time_to_first_token_s": (r.first_token_time - r.arrival) if r.first_token_time else None,
            "latency_s": (r.finish_time - r.arrival) if r.finish_time else None}
+    if speculative:
+        out["draft_tokens"], out["accepted_draft_tokens"] = r.num_draft_tokens, r.num_accepted_tokens
     if r.params.logprobs is not None:
         out["logprobs"] = r.logprobs
         out["top_logprobs"] = [[[t, lp] for t, lp in row] for row in r.top_logprobs]

@@ -17,6 +17,13 @@ OFFLINE_SMALL = (256, 8192)
 # KV pool leaves it free (the planner prices the same share, planner.memory.ALLOCATOR_FRACTION).
 ALLOCATOR_FRACTION = 0.02
 
+SPEC_METHODS = ("mtp", "ngram")
+# Drafts per step when --num-speculative-tokens is not given: V3's MTP module is trained to predict one token
+# ahead (the V3 report measured 85-90% of its drafts accepted: of that token, sec. 5.4.3); prompt lookup's drafts cost only their
+# verification, so it proposes more.
+SPEC_DEFAULT_TOKENS = {"mtp": 1, "ngram": 3}
+SPEC_NGRAM_MIN, SPEC_NGRAM_MAX = 2, 4
+
 
 def offline_defaults(gpu_memory_gib: float | None, gpu_name: str = "") -> tuple[int, int, str]:
     """(max_num_seqs, max_batched_tokens, why) for an offline run on this GPU (None: no GPU)."""
@@ -46,6 +53,24 @@ class EngineConfig:
     # come and go. Each slot costs max_lora_rank x (in + out) weights per adapted projection, read by every step.
     max_loras: int = 0  # adapters loaded at once; 0: no adapters (vLLM's --enable-lora off)
     max_lora_rank: int = 16  # vLLM's default: rank 16 adds ~5% to the bytes a decode step reads at 8 slots (8B)
+    # Speculative decoding (infer/spec.py): None, "mtp" (DeepSeek-V3's multi-token-prediction module drafts) or
+    # "ngram" (prompt lookup: the tokens that followed an earlier occurrence of the sequence's suffix).
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None  # drafts verified per step and request (K); None: SPEC_DEFAULT_TOKENS
+    ngram_min: int | None = None  # the shortest suffix prompt lookup matches (None: SPEC_NGRAM_MIN)
+    ngram_max: int | None = None  # the longest; the longest that matches wins (None: SPEC_NGRAM_MAX)
+
+    @property
+    def spec_tokens(self) -> int:
+        """K: --num-speculative-tokens, or the method's default; 0 without speculative decoding."""
+        if self.speculative is None:
+            return 0
+        return self.num_speculative_tokens or SPEC_DEFAULT_TOKENS[self.speculative]
+
+    @property
+    def ngram_range(self) -> tuple[int, int]:
+        return (SPEC_NGRAM_MIN if self.ngram_min is None else self.ngram_min,
+                SPEC_NGRAM_MAX if self.ngram_max is None else self.ngram_max)
 
     def validate(self) -> None:
         checks = [
@@ -63,6 +88,30 @@ class EngineConfig:
         for ok, msg in checks:
             if not ok:
                 raise UserError(msg)
+        self.validate_speculative()
+
+    def validate_speculative(self) -> None:
+        """The speculative flags: one line for a value out of range or a flag that would not apply."""
+        ngram = [f for f, v in (("--ngram-min", self.ngram_min), ("--ngram-max", self.ngram_max)) if v is not None]
+        if self.speculative is None:
+            given = (["--num-speculative-tokens"] if self.num_speculative_tokens is not None else []) + ngram
+            if given:
+                raise UserError(f"{given[0]} applies to speculative decoding: add --speculative mtp|ngram, or leave "
+                                "it out")
+            return
+        if self.speculative not in SPEC_METHODS:
+            raise UserError(f"--speculative must be one of {', '.join(SPEC_METHODS)}, got {self.speculative!r}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise UserError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.spec_tokens + 1 > self.max_batched_tokens:
+            raise UserError(f"--num-speculative-tokens {self.spec_tokens}: a request's step verifies its last token "
+                            f"and {self.spec_tokens} drafts, more than --max-batched-tokens {self.max_batched_tokens}")
+        if self.speculative != "ngram" and ngram:
+            raise UserError(f"{ngram[0]} sets the prompt lookup of --speculative ngram, not of --speculative "
+                            f"{self.speculative}: leave it out")
+        lo, hi = self.ngram_range
+        if self.speculative == "ngram" and not 1 <= lo <= hi:
+            raise UserError(f"--ngram-min and --ngram-max must satisfy 1 <= min <= max, got {lo} and {hi}")
 
     def context_length(self, args) -> int:
         """Prompt + output tokens per sequence for the model `args`: --max-model-len, which may not exceed the

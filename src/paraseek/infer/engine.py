@@ -107,8 +107,13 @@ class Engine:
         self.max_model_len = cfg.context_length(self.args)
         self.tp_group, self.meta_group = tp_group, meta_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        mtp = cfg.speculative == "mtp"
         if not isinstance(model, InferenceModel):  # a whole training model: laid out for inference (and emptied)
-            model = InferenceModel.from_training(model, tp_group)
+            if mtp and not len(model.mtp or []):
+                raise UserError(no_mtp_module("this model"))
+            model = InferenceModel.from_training(model, tp_group, mtp=mtp)
+        elif mtp and model.mtp is None:
+            raise UserError(no_mtp_module("this model"))
         self.runner = ModelRunner(model, self.max_model_len, cfg.block_size)
         self.device = self.runner.device
         self.loras = None  # infer/lora.LoRARegistry: adapters by name, each in a slot of every adapted projection
@@ -118,10 +123,20 @@ class Engine:
         ops.use_kernels(self.platform.triton_kernels)
         attention.USE_FLASH = self.platform.flash_prefill
         log(self.platform.line())
-        self.shape = CacheShape.of(self.args, self.tp)
+        self.drafter = None  # speculative decoding (infer/spec.py)
+        if cfg.speculative is not None:
+            from paraseek.infer.spec import make_drafter
+
+            self.drafter = make_drafter(cfg)
+            log(f"speculative decoding: {cfg.speculative}, {cfg.spec_tokens} draft token(s) a step"
+                + (f", n-grams of {cfg.ngram_range[0]}..{cfg.ngram_range[1]} tokens" if cfg.speculative == "ngram"
+                   else ", steps eager (the drafter reads the target's hidden states)"))
+        self.shape = CacheShape.of(self.args, self.tp, mtp_layers=int(mtp))
+        # The MTP drafter reads every target step's hidden states: its engine's steps run eagerly.
+        self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager and not mtp
         self.report = self._size_cache()
         self.runner.allocate_cache(self.report.num_blocks, self.shape)
-        if self.platform.cuda_graphs and not cfg.enforce_eager:
+        if self.use_graphs:
             t0 = time.perf_counter()
             try:
                 self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths())
@@ -136,7 +151,8 @@ class Engine:
             # against the share and keep the pool's one large allocation from fitting (seen on an H200).
             torch.cuda.set_per_process_memory_fraction(self.report.extra["allocator_fraction"], self.device)
         self.pool = BlockPool(self.report.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_batched_tokens, self.max_model_len,
+                                   drafter_reads_next_token=mtp)
         if stop_token_ids is None:
             stop_token_ids = list(getattr(tokenizer, "stop_token_ids", None) or
                                   ([self.args.eos_token_id] if self.args.eos_token_id is not None else []))
@@ -174,7 +190,7 @@ class Engine:
             # their logits buffer sits beside it), while an eager step or the sampler allocates on top: both are
             # held back from the KV pool.
             graphs = (decode_ws + cfg.max_num_seqs * self.args.vocab_size * self.runner.dtype.itemsize
-                      if self.platform.cuda_graphs and not cfg.enforce_eager else 0)
+                      if self.use_graphs else 0)
             # The caching allocator's rounding and fragmentation (config.ALLOCATOR_FRACTION): without it
             # the reserved memory of a long run creeps past the limit even when the allocated memory does not.
             budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1 - graphs
@@ -214,9 +230,14 @@ class Engine:
         pos = np.concatenate([np.arange(n) for n, _ in lens]) % bs  # slots of block 0 (scratch)
         li = np.cumsum([n for n, _ in lens]) - 1
         lora = (lambda n: np.zeros(n, np.int64) if self.loras is not None else None)  # noqa: E731 (an adapter's work)
-        hb = HostBatch(zeros, pos, pos, 0, np.zeros((0, 1), np.int32), np.zeros(0, np.int32), lens, pos, li, lora(N))
+        hb = HostBatch(zeros, pos, pos, 0, np.zeros((0, 1), np.int32), np.zeros(0, np.int32), lens, pos, li, lora(N),
+                       keep_hidden=self.drafter is not None and self.drafter.keeps_hidden)
         torch.cuda.reset_peak_memory_stats()
         self.runner.run(hb)
+        if hb.keep_hidden:  # the MTP drafter's rows of the same tokens, on the kept hidden states
+            self.runner.run(HostBatch(zeros, pos, pos, 0, hb.block_tables, hb.context_lens, lens, pos, li,
+                                      hidden_rows=np.arange(N)))
+            self.runner.hidden_NE = None
         torch.cuda.synchronize()
         prefill_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -336,6 +357,8 @@ class Engine:
         token is then delivered one step after it was computed, and a request that ends on a stop token has run one
         extra step whose token is dropped. Anything else (penalties, log-probabilities, min_tokens, tp > 1) reads
         each step back before the next."""
+        if self.drafter is not None:
+            return self._step_speculative()
         if self._host_sampled or self.tp > 1:
             return self.flush() + self._step_synchronous()
         prev, self._in_flight = self._in_flight, None
@@ -372,6 +395,68 @@ class Engine:
                 req.top_logprobs.append(out.top_logprobs[i])
             self._accept(req, len(req.token_ids) - 1, now)
         return [s.request for s in items]
+
+    def _step_speculative(self) -> list[Request]:
+        """A step of a speculative engine (infer/spec.py): each drafting request's last token and drafts are one
+        chunk whose rows all get logits; the drafts are verified and the accepted ones delivered with the target's
+        own next token; then the drafter proposes the next drafts. Synchronous: those need this step's tokens."""
+        from paraseek.infer.spec import Verify, verify, verify_rows
+
+        plan = self.scheduler.schedule()
+        if not plan.items:
+            return []
+        hb, _ = self._host_batch(plan)
+        hb.keep_hidden = self.drafter.keeps_hidden
+        logits = self._forward(hb)
+        sampled = [s.sample for s in plan.items]
+        items = [s for s, got_token in zip(plan.items, sampled) if got_token]
+        groups = []
+        for s in items:
+            req = s.request
+            drafts = req.drafts[:s.num_drafts]
+            q = req.draft_probs[:s.num_drafts] if req.draft_probs is not None and drafts else None
+            groups.append(Verify(drafts, q, verify_rows(self._sample_row(req), req, drafts)))
+        verdicts = verify(logits, groups)
+        for s in plan.items:
+            s.request.num_computed = s.start + s.n - s.num_drafts
+        now = time.perf_counter()
+        for s, v in zip(items, verdicts):
+            req = s.request
+            req.num_computed += v.accepted  # the accepted drafts' K/V came with this step
+            req.drafts, req.draft_probs = [], None
+            self.drafter.stats.add(s.num_drafts, v.accepted)
+            req.num_draft_tokens += s.num_drafts
+            req.num_accepted_tokens += v.accepted
+            self._deliver(req, v, now)
+        self.drafter.propose(self, plan.items, sampled)
+        for s in items:  # keep the blocks of the positions the next step writes: the last token and the drafts
+            if s.request.status is Status.RUNNING:
+                self.scheduler.release_past(s.request, len(s.request.token_ids) + len(s.request.drafts))
+        return [s.request for s in items]
+
+    def _deliver(self, req: Request, v, now: float) -> None:
+        """A verification's tokens, one by one as a plain step's (the text of all of them is the stream's delta);
+        the rest is dropped once one ends the request."""
+        req.step_token_ids = []
+        delta = ""
+        for j, tok in enumerate(v.tokens):
+            req.token_ids.append(tok)
+            req.step_token_ids.append(tok)
+            if v.logprobs is not None:
+                req.logprobs.append(v.logprobs[j])
+                req.top_logprobs.append(v.top_logprobs[j])
+            self._accept(req, len(req.token_ids) - 1, now)
+            if req.stream is not None:
+                delta += req.stream.delta
+            if req.status is Status.FINISHED:
+                break
+        if req.stream is not None:
+            req.stream.delta = delta
+
+    def _forward(self, hb: HostBatch) -> torch.Tensor:
+        """Broadcast a step to the other tp ranks and run it."""
+        self._broadcast(hb)
+        return self.runner.run(hb)
 
     def _launch(self, plan: StepPlan, prev: InFlight | None) -> InFlight:
         """Start a greedy step on the device; its tokens stay there (and in a placeholder at the end of each
@@ -502,14 +587,17 @@ class Engine:
             req = s.request
             blocks = np.asarray(req.blocks, dtype=np.int64)
             p = np.arange(s.start, s.start + s.n)
-            ids_np.append(np.asarray(req.token_ids[s.start:s.start + s.n], dtype=np.int64))
+            ids_np.append(np.asarray(req.token_ids[s.start:s.start + s.n] if not s.num_drafts else
+                                     req.token_ids[s.start:] + req.drafts[:s.num_drafts], dtype=np.int64))
             pos_np.append(p)
             slots_np.append(blocks[p // bs] * bs + p % bs)
             ctx_p = np.arange(s.start + s.n)
             k_slots.append(blocks[ctx_p // bs] * bs + ctx_p % bs)
             lens.append((s.n, s.start + s.n))
             row += s.n
-            if s.sample:
+            if s.num_drafts:  # the verification reads every row (infer/spec.py)
+                logits_idx.extend(range(row - s.n, row))
+            elif s.sample:
                 logits_idx.append(row - 1)
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
         lora = None
@@ -611,7 +699,13 @@ class Engine:
 
     def stats(self) -> dict:
         pool = self.pool
-        return {
+        spec = {}
+        if self.drafter is not None:  # vLLM's spec_decode counters (serve/metrics.py)
+            st = self.drafter.stats
+            spec = {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
+                    "spec_num_accepted_tokens": st.num_accepted_tokens,
+                    "spec_accepted_per_pos": list(st.accepted_per_pos)}
+        return spec | {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "kv_blocks_used": pool.num_used, "kv_blocks_free": pool.num_free, "kv_blocks_total": pool.num_blocks - 1,
             "prefix_cache_queries": pool.queries, "prefix_cache_hits": pool.hits,
@@ -626,6 +720,12 @@ class Engine:
                                      if r.lora_slot in self.loras.by_slot})
         return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting),
                 "max_loras": self.cfg.max_loras}
+
+
+def no_mtp_module(what: str) -> str:
+    return (f"--speculative mtp: {what} has no MTP module (num_nextn_predict_layers 0, or its folder holds no "
+            "model.layers.{num_hidden_layers}.* weights, as transformers writes DeepSeek-V3); use --speculative "
+            "ngram, or a checkpoint with its MTP layer (paraseek train --mtp-layers 1, then paraseek export)")
 
 
 def serve_worker(runner: ModelRunner, meta_group) -> None:

@@ -22,6 +22,10 @@ of the two halves of a block; the head split by vocabulary (its logits all-gathe
 the norms and the router stay whole, so every rank holds the whole latent cache. GQA with fewer kv heads than ranks
 replicates each kv head over tp / n_kv_heads ranks.
 
+Built with mtp=True, the model also holds DeepSeek-V3's first multi-token-prediction module (MTPLayer, same layer
+classes, a cache layer of its own after the model's), which speculative decoding drafts with (infer/spec.py): its
+forward (forward_mtp) takes the hidden states that `trunk` returns.
+
 MoE layers choose their path per step by the number of token-expert slots: the fused kernels of infer/moe.py (no
 sort, weights read once per expert tile) up to `FUSED_MAX_SLOTS`, torch._grouped_mm over tokens sorted by expert
 beyond (prefill, large batches); off CUDA the plain-torch forms of either. The two round differently in bf16 (the
@@ -276,6 +280,26 @@ class Layer:
         self.attn, self.mlp, self.in_norm, self.post_norm = attn, mlp, in_norm, post_norm
 
 
+class MTPLayer:
+    """DeepSeek-V3's multi-token-prediction module of depth 1 (V3 report, sec. 2.2, eqs. 21-23; models/deepseek.py's
+    MTPModule) as a drafter: at position i it combines the target's last-block output h_i with the embedding of
+    token i + 1, h'_i = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)]), runs its block over the sequence (its own cache
+    layer, n_layers), and its output through shared_head.norm and the model's head predicts token i + 2. Built
+    from the hub's names (model.layers.{n_layers}.*) with the main layers' classes and this rank's share; eh_proj
+    is kept whole on every rank (its output is the block's replicated input)."""
+
+    def __init__(self, s: Share, a: ModelArgs):
+        p = f"layers.{a.n_layers}"
+        self.enorm = Norm(s.tensor(s.whole(f"{p}.enorm.weight")), a.norm_eps)
+        self.hnorm = Norm(s.tensor(s.whole(f"{p}.hnorm.weight")), a.norm_eps)
+        self.eh_proj = s.linear([s.whole(f"{p}.eh_proj.weight")])
+        attn = LatentAttention(s, p, a) if a.is_mla else DenseAttention(s, p, a)
+        mlp = MoELayer(s, p, a) if a.is_moe_layer(a.n_layers) else DenseMLP(s, p)
+        self.block = Layer(attn, mlp, Norm(s.tensor(s.whole(f"{p}.input_layernorm.weight")), a.norm_eps),
+                           Norm(s.tensor(s.whole(f"{p}.post_attention_layernorm.weight")), a.norm_eps))
+        self.norm = Norm(s.tensor(s.whole(f"{p}.shared_head.norm.weight")), a.norm_eps)
+
+
 class Rope:
     """cos/sin tables [P, R/2] in fp32 for positions 0..P-1, the YaRN attention factor folded in."""
 
@@ -299,40 +323,47 @@ class InferenceModel:
         self.rope: Rope | None = None
         self.lora = None  # infer/lora.LoRASlots once adapters are attached (lora.attach)
         self.weights = ""  # what the projections are (dtype, FP8 blocks kept or quantized), for the log line
+        self.mtp: MTPLayer | None = None  # the speculative drafter (infer/spec.py), when built with mtp=True
 
     @classmethod
     @torch.no_grad()
-    def from_training(cls, model: Transformer, tp_group=None, fp8: bool = False) -> InferenceModel:
+    def from_training(cls, model: Transformer, tp_group=None, fp8: bool = False, mtp: bool = False) -> InferenceModel:
         """Lay out a whole training model's weights for inference, taking this rank's tp share (`fp8`: every
-        projection and expert quantized to FP8 128 x 128 blocks). The training model is emptied layer by layer as
-        it goes (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
+        projection and expert quantized to FP8 128 x 128 blocks; `mtp`: its first MTP module too, as the
+        speculative drafter). The training model is emptied layer by layer as it goes (peak memory: the model plus
+        one layer's copies): it cannot be used afterwards."""
         from paraseek.infer.weights import ModelWeights
 
         w = model.embed_tokens.weight
-        out = cls.build(ModelWeights(model), model.args, tp_group, w.dtype, w.device, fp8)
-        model.mtp = None  # the MTP modules are not run by the engine
+        out = cls.build(ModelWeights(model), model.args, tp_group, w.dtype, w.device, fp8, mtp)
+        model.mtp = None  # what the engine runs of them was copied (mtp=True); the rest is not run
         return out
 
     @classmethod
     @torch.no_grad()
     def from_folder(cls, folder, args: ModelArgs, tp_group=None, *, dtype: torch.dtype, device,
                     block: tuple[int, int] | None = None, fp8: bool = False,
-                    map_budget: int = 1 << 30) -> InferenceModel:
+                    map_budget: int = 1 << 30, mtp: bool = False) -> InferenceModel:
         """Read an HF folder's safetensors straight into this rank's layout, slice by slice (each rank reads only
         what it keeps; the whole model is never built). `block`: the FP8 weight block of its quantization_config.
         `fp8`: keep its FP8 blocks (or quantize a bf16 checkpoint's projections); otherwise FP8 weights are
-        dequantized to `dtype`. `map_budget`: models.hf.HubTensors'."""
+        dequantized to `dtype`. `map_budget`: models.hf.HubTensors'. `mtp`: its first MTP layer too (the
+        speculative drafter)."""
         from paraseek.infer.weights import FolderWeights
 
         src = FolderWeights(folder, args, block, map_budget)
         try:
-            return cls.build(src, args, tp_group, dtype, device, fp8)
+            return cls.build(src, args, tp_group, dtype, device, fp8, mtp)
         finally:
             src.close()
 
     @classmethod
-    def build(cls, source, a: ModelArgs, tp_group, dtype: torch.dtype, device, fp8: bool) -> InferenceModel:
-        """The layers from `source` (infer/weights.py), each layer's share read and laid out before the next."""
+    def build(cls, source, a: ModelArgs, tp_group, dtype: torch.dtype, device, fp8: bool,
+              mtp: bool = False) -> InferenceModel:
+        """The layers from `source` (infer/weights.py), each layer's share read and laid out before the next;
+        `mtp`: V3's first MTP module as well (MTPLayer). The drafter runs that one module for every draft (V3 ships
+        one; a model with more keeps only the first: its deeper modules would need each earlier depth's hidden
+        states of the same positions kept from step to step)."""
         from paraseek.infer.tp import check_tp
 
         tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -361,6 +392,9 @@ class InferenceModel:
         inv_freq, attn_factor = rope_inv_freq(a)
         out = cls(a, layers, embed, Norm(s.tensor(s.whole("norm.weight")), a.norm_eps), head, inv_freq,
                   attn_factor, tp_group)
+        if mtp:
+            out.mtp = MTPLayer(s, a)
+            s.release(f"layers.{a.n_layers}")
         out.weights = s.summary()
         return out
 
@@ -390,6 +424,11 @@ class InferenceModel:
     def forward(self, b, cache, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n_sample, vocab] of the rows b.logits_idx (written into `logits_out` when given: the CUDA graphs
         share one output buffer instead of keeping one each)."""
+        return self.head(self.trunk(b, cache), b, logits_out)
+
+    @torch.no_grad()
+    def trunk(self, b, cache) -> torch.Tensor:
+        """The last block's output [N, E] (the residual stream before the final norm) of every row."""
         layers = self.layers
         if self.lora is not None:
             self.lora.begin(b)  # the step's token -> adapter slot, read by every adapted projection
@@ -405,6 +444,29 @@ class InferenceModel:
                 h_NE = ops.add_rms_norm(m_NE, x_NE, layers[i + 1].in_norm.w, layers[i + 1].in_norm.eps)
             else:
                 x_NE.add_(m_NE)
+        return x_NE
+
+    @torch.no_grad()
+    def forward_mtp(self, b, cache, h_NE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP drafter over a step (MTPLayer): row i's input is the token after its position (b.input_ids) and
+        the hidden state `h_NE` of its position (the target's last-block output, or for a further draft the
+        drafter's own output at the position before: the module reused, as vLLM and SGLang draft with V3's one
+        module). Returns (the drafts' logits [n_sample, vocab] of the rows b.logits_idx, its output [N, E]: the
+        next draft's hidden state)."""
+        m, L = self.mtp, self.mtp.block
+        e_NE = ops.rms_norm(F.embedding(b.input_ids, self.embed_w), m.enorm.w, m.enorm.eps)
+        # The hub's eh_proj takes the embedding half first (models/deepseek.py's MTPModule says why).
+        x_NE = m.eh_proj(torch.cat([e_NE, ops.rms_norm(h_NE, m.hnorm.w, m.hnorm.eps)], dim=-1))
+        a_NE = L.attn.forward(ops.rms_norm(x_NE, L.in_norm.w, L.in_norm.eps), b, cache, self.args.n_layers, self.rope)
+        self._all_reduce(a_NE)
+        m_NE = L.mlp.forward(ops.add_rms_norm(a_NE, x_NE, L.post_norm.w, L.post_norm.eps))
+        self._all_reduce(m_NE)
+        x_NE.add_(m_NE)
+        h_SE = ops.rms_norm(x_NE if b.every_row else x_NE[b.logits_idx], m.norm.w, m.norm.eps)
+        return self._gather_vocab(F.linear(h_SE, self.head_w)), x_NE
+
+    def head(self, x_NE: torch.Tensor, b, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n_sample, vocab] of the rows b.logits_idx of the last block's output."""
         fn = self.final_norm
         h_SE = ops.rms_norm(x_NE if b.every_row else x_NE[b.logits_idx], fn.w, fn.eps)
         if logits_out is not None and self.tp == 1:

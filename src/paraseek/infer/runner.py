@@ -42,37 +42,48 @@ class StepBatch:
 
 class HostBatch:
     """The same step as int arrays on the host: what the driver builds from the scheduler's plan and broadcasts to
-    the other tp ranks as one int64 tensor."""
+    the other tp ranks as one int64 tensor.
+
+    Speculative decoding (infer/spec.py) adds two kinds of step: `keep_hidden`, a target forward whose last-block
+    output the runner keeps for the MTP drafter; and a drafter forward (`hidden_rows` given: row i's input hidden
+    state is row hidden_rows[i] of the previous forward's kept output), which keeps its own output in turn. Every
+    tp rank runs the same sequence of steps, so every rank holds the same hidden states."""
 
     HEADER = 8
 
-    def __init__(self, ids, pos, slots, n_decode, block_tables, context_lens, lens, k_slots, logits_idx, lora=None):
+    def __init__(self, ids, pos, slots, n_decode, block_tables, context_lens, lens, k_slots, logits_idx, lora=None,
+                 keep_hidden: bool = False, hidden_rows=None):
         self.ids, self.pos, self.slots, self.n_decode = ids, pos, slots, n_decode
         self.block_tables, self.context_lens, self.lens = block_tables, context_lens, lens
         self.k_slots, self.logits_idx = k_slots, logits_idx
         self.lora = lora  # [N] adapter slot per token (-1: the base model), or None when the engine has no adapters
+        self.keep_hidden = keep_hidden
+        self.hidden_rows = hidden_rows  # [N] a drafter forward's input rows of the kept hidden states, else None
 
     def pack(self) -> torch.Tensor:
         M = self.block_tables.shape[1] if self.n_decode else 0
         lens = np.asarray(self.lens, dtype=np.int64).reshape(-1)
+        kind = 2 if self.hidden_rows is not None else int(self.keep_hidden)
         header = np.array([len(self.ids), self.n_decode, M, len(self.lens), len(self.k_slots), len(self.logits_idx),
-                           self.lora is not None, 0], dtype=np.int64)
+                           self.lora is not None, kind], dtype=np.int64)
         parts = [header, self.ids, self.pos, self.slots, self.block_tables.reshape(-1), self.context_lens, lens,
-                 self.k_slots, self.logits_idx] + ([self.lora] if self.lora is not None else [])
+                 self.k_slots, self.logits_idx] + ([self.lora] if self.lora is not None else []) \
+            + ([self.hidden_rows] if self.hidden_rows is not None else [])
         return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
 
     @classmethod
     def unpack(cls, flat: torch.Tensor) -> HostBatch:
         a = flat.numpy()
-        N, nd, M, npf, K, ns, has_lora = (int(x) for x in a[:7])
+        N, nd, M, npf, K, ns, has_lora, kind = (int(x) for x in a[:8])
         o = cls.HEADER
         take = []
-        for size in (N, N, N, nd * M, nd, 2 * npf, K, ns) + ((N,) if has_lora else ()):
+        for size in (N, N, N, nd * M, nd, 2 * npf, K, ns) + ((N,) if has_lora else ()) + ((N,) if kind == 2 else ()):
             take.append(a[o:o + size])
             o += size
         ids, pos, slots, bt, cl, lens, k_slots, li = take[:8]
         return cls(ids, pos, slots, nd, bt.reshape(nd, M), cl, [tuple(x) for x in lens.reshape(npf, 2).tolist()],
-                   k_slots, li, take[8] if has_lora else None)
+                   k_slots, li, take[8] if has_lora else None, keep_hidden=kind == 1,
+                   hidden_rows=take[-1] if kind == 2 else None)
 
     def to_device(self, device) -> StepBatch:
         def t(x, dtype=torch.int64):
@@ -112,6 +123,7 @@ class ModelRunner:
         self.tokens: torch.Tensor | None = None  # the last step's sampled tokens on the device ([n_sample] int64)
         self._tok: torch.Tensor | None = None  # with graphs: the static buffer `tokens` lives in
         self._replayed = 0  # rows of the last step if it was a graph replay (its greedy tokens are in _tok), else 0
+        self.hidden_NE: torch.Tensor | None = None  # the last keep_hidden or drafter forward's output (infer/spec.py)
 
     # ---- the cache -----------------------------------------------------------------------------------------------------
     def allocate_cache(self, num_blocks: int, shape) -> None:
@@ -142,7 +154,7 @@ class ModelRunner:
     def graph_key(self, b: HostBatch) -> tuple[int, int] | None:
         """The captured graph that can run this step: decode-only, batch padded up to a captured size, block tables
         padded up to a captured width."""
-        if not self.graphs or b.n_decode != len(b.ids) or len(b.logits_idx) != b.n_decode:
+        if not self.graphs or b.n_decode != len(b.ids) or len(b.logits_idx) != b.n_decode or b.keep_hidden:
             return None
         i = bisect.bisect_left(self.graph_batch_sizes, b.n_decode)
         if i == len(self.graph_batch_sizes):
@@ -227,12 +239,21 @@ class ModelRunner:
     def run(self, hb: HostBatch, src=None) -> torch.Tensor:
         """The step's logits. `src`: for each decode row, the row of `self.tokens` (a previous step's sampled tokens,
         still on the device) that is its input token, or -1 (its token is hb.ids[row])."""
+        if hb.hidden_rows is not None:  # the MTP drafter (eager)
+            self._replayed = 0
+            b = hb.to_device(self.device)
+            h_NE = self.hidden_NE.index_select(0, _to_device(torch.from_numpy(np.asarray(hb.hidden_rows)), self.device))
+            logits, self.hidden_NE = self.model.forward_mtp(b, self.cache, h_NE)
+            return logits
         key = self.graph_key(hb)
         if key is None:
             self._replayed = 0
             b = hb.to_device(self.device)
             if src is not None and (np.asarray(src) >= 0).any():
                 _patch_ids(b.input_ids, src, self.tokens)
+            if hb.keep_hidden:  # for the MTP drafter: eager, its last-block output kept
+                self.hidden_NE = self.model.trunk(b, self.cache)
+                return self.model.head(self.hidden_NE, b)
             return self.forward(b)
         bsz, m = key
         self._fill(bsz, m, hb, src)

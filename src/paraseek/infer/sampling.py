@@ -150,7 +150,21 @@ def sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool = True)
     return out
 
 
-def _sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool) -> Sampled:
+@dataclass
+class Distributions:
+    """What a batch of rows samples from, after the request's transforms: `x_BV` the fp32 logits after the masks,
+    logit_bias and penalties (a greedy row takes its argmax); `logprobs_BV` their log-softmax (rows that asked for
+    log-probabilities); `probs_BV` the distribution after temperature, top-k, top-p and min-p (None when every row
+    is greedy; a greedy row's is at temperature 1 and unused). Speculative verification (infer/spec.py) reads the
+    same distributions as plain sampling."""
+
+    x_BV: torch.Tensor
+    logprobs_BV: torch.Tensor | None
+    probs_BV: torch.Tensor | None
+    greedy: list[bool]
+
+
+def distributions(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Distributions:
     B, V = logits_BV.shape
     dev = logits_BV.device
     x_BV = logits_BV.float()
@@ -165,53 +179,71 @@ def _sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool) -> Sa
         x_BV = _apply_penalties(x_BV, rows)
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs_BV = torch.log_softmax(x_BV, dim=-1) if want_logprobs else None
-
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        tokens_B = x_BV.argmax(dim=-1)
-    else:
-        p = [r.params for r in rows]
-        temp_B = _rows_tensor([1.0 if g else q.temperature for g, q in zip(greedy, p)], dev)
-        x_BV = x_BV / temp_B[:, None]
-        if any(q.top_k for q in p):
-            k_B = _rows_tensor([q.top_k if q.top_k else V for q in p], dev, torch.int64).clamp(max=V)
-            kth_B = x_BV.sort(dim=-1, descending=True).values.gather(1, (k_B - 1)[:, None])
-            x_BV = x_BV.masked_fill(x_BV < kth_B, float("-inf"))
-        probs_BV = x_BV.softmax(dim=-1)
-        if any(q.top_p < 1 for q in p):
-            # Keep the smallest set of tokens whose probability reaches top_p (the most likely token always stays).
-            sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-            top_p_B = _rows_tensor([q.top_p for q in p], dev)
-            drop_sorted = (sorted_BV.cumsum(dim=-1) - sorted_BV) >= top_p_B[:, None]
-            drop_BV = torch.zeros_like(drop_sorted).scatter_(1, order_BV, drop_sorted)
-            probs_BV = probs_BV.masked_fill(drop_BV, 0.0)
-        if any(q.min_p > 0 for q in p):
-            min_p_B = _rows_tensor([q.min_p for q in p], dev)
-            probs_BV = probs_BV.masked_fill(probs_BV < min_p_B[:, None] * probs_BV.amax(-1, keepdim=True), 0.0)
-        noise_BV = torch.empty_like(probs_BV).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                noise_BV[i].exponential_(generator=r.generator)
-        tokens_B = (probs_BV / noise_BV).argmax(dim=-1)
-        if any(greedy):
-            tokens_B = torch.where(_rows_tensor(greedy, dev, torch.bool), x_BV.argmax(dim=-1), tokens_B)
+        return Distributions(x_BV, logprobs_BV, None, greedy)
+    p = [r.params for r in rows]
+    temp_B = _rows_tensor([1.0 if g else q.temperature for g, q in zip(greedy, p)], dev)
+    t_BV = x_BV / temp_B[:, None]
+    if any(q.top_k for q in p):
+        k_B = _rows_tensor([q.top_k if q.top_k else V for q in p], dev, torch.int64).clamp(max=V)
+        kth_B = t_BV.sort(dim=-1, descending=True).values.gather(1, (k_B - 1)[:, None])
+        t_BV = t_BV.masked_fill(t_BV < kth_B, float("-inf"))
+    probs_BV = t_BV.softmax(dim=-1)
+    if any(q.top_p < 1 for q in p):
+        # Keep the smallest set of tokens whose probability reaches top_p (the most likely token always stays).
+        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+        top_p_B = _rows_tensor([q.top_p for q in p], dev)
+        drop_sorted = (sorted_BV.cumsum(dim=-1) - sorted_BV) >= top_p_B[:, None]
+        drop_BV = torch.zeros_like(drop_sorted).scatter_(1, order_BV, drop_sorted)
+        probs_BV = probs_BV.masked_fill(drop_BV, 0.0)
+    if any(q.min_p > 0 for q in p):
+        min_p_B = _rows_tensor([q.min_p for q in p], dev)
+        probs_BV = probs_BV.masked_fill(probs_BV < min_p_B[:, None] * probs_BV.amax(-1, keepdim=True), 0.0)
+    return Distributions(x_BV, logprobs_BV, probs_BV, greedy)
 
+
+def draw(probs_BV: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of (unnormalized) probabilities: the Gumbel-max trick in its exponential form, argmax
+    p_i / q_i with q_i ~ Exp(1), each seeded row's noise from its own generator."""
+    noise_BV = torch.empty_like(probs_BV).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise_BV[i].exponential_(generator=g)
+    return (probs_BV / noise_BV).argmax(dim=-1)
+
+
+def _sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool) -> Sampled:
+    d = distributions(logits_BV, rows)
+    logprobs_BV = d.logprobs_BV
+    if d.probs_BV is None:
+        tokens_B = d.x_BV.argmax(dim=-1)
+    else:
+        tokens_B = draw(d.probs_BV, [r.generator for r in rows])
+        if any(d.greedy):
+            tokens_B = torch.where(_rows_tensor(d.greedy, logits_BV.device, torch.bool), d.x_BV.argmax(dim=-1),
+                                   tokens_B)
     if not to_host:
         return Sampled(tokens_B)
     out = Sampled(tokens_B.tolist())
     if logprobs_BV is not None:
-        chosen = logprobs_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
-        k = max(r.params.logprobs or 0 for r in rows)
-        top_vals, top_ids = (logprobs_BV.topk(k, dim=-1) if k else (None, None))
-        out.logprobs, out.top_logprobs = [], []
-        for i, r in enumerate(rows):
-            n = r.params.logprobs
-            out.logprobs.append(chosen[i] if n is not None else None)
-            if n:
-                out.top_logprobs.append(list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())))
-            else:
-                out.top_logprobs.append([])
+        out.logprobs, out.top_logprobs = chosen_logprobs(logprobs_BV, tokens_B, rows)
     return out
+
+
+def chosen_logprobs(logprobs_BV: torch.Tensor, tokens_B: torch.Tensor,
+                    rows: list[SampleRow]) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+    """Each row's chosen token's log-probability (None where its request asked for none) and its request's
+    `logprobs` most likely (token, log-probability) pairs."""
+    chosen = logprobs_BV.gather(1, tokens_B[:, None])[:, 0].tolist()
+    k = max(r.params.logprobs or 0 for r in rows)
+    top_vals, top_ids = (logprobs_BV.topk(k, dim=-1) if k else (None, None))
+    lps, tops = [], []
+    for i, r in enumerate(rows):
+        n = r.params.logprobs
+        lps.append(chosen[i] if n is not None else None)
+        tops.append(list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist())) if n else [])
+    return lps, tops
 
 
 def apply_masks(x_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -62,6 +62,14 @@ class Request:
     last_token_id: int = -1  # the newest token read back: what a step's caller delivers
     lora_slot: int = -1  # the LoRA adapter's slot (infer/lora.py); -1: the base model
     cache_salt: bytes | None = None  # the prefix-cache key's seed (the adapter's): BlockPool.match_prefix
+    # Speculative decoding (infer/spec.py): the drafts its next step verifies after its last token (not part of
+    # token_ids until accepted), their draft distributions [len(drafts), V] (MTP drafts of a sampled request;
+    # None: drafted deterministically), the tokens its last step delivered, and its drafts proposed and accepted.
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    step_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -82,16 +90,18 @@ class Request:
 
 @dataclass(slots=True)
 class Scheduled:
-    """One request's share of a step: tokens [start, start + n) of its token_ids; `sample` when the chunk reaches
-    the last known token, so the step yields the request's next token."""
+    """One request's share of a step: tokens [start, start + n) of its token_ids, the last `num_drafts` of them its
+    first drafts (request.drafts, verified by this step); `sample` when the chunk reaches the last known token, so
+    the step yields the request's next token (and its accepted drafts)."""
 
     request: Request
     start: int
     n: int
+    num_drafts: int = 0
 
     @property
     def sample(self) -> bool:
-        return self.start + self.n == len(self.request.token_ids)
+        return self.start + self.n - self.num_drafts == len(self.request.token_ids)
 
 
 @dataclass
@@ -105,12 +115,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, max_model_len: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, max_model_len: int,
+                 drafter_reads_next_token: bool = False):
         self.pool = pool
         self.max_num_seqs, self.max_batched_tokens, self.max_model_len = max_num_seqs, max_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the first to be preempted
         self.num_preemptions = 0
+        # The MTP drafter's cache row of position i is computed from token i + 1 (infer/spec.py), which the prefix
+        # cache's key of i's block does not cover when i ends the block: a prefix hit's last block is recomputed
+        # (vLLM drops it for EAGLE likewise), so that every drafter row a request reads was made from its own tokens.
+        self.drafter_reads_next_token = drafter_reads_next_token
 
     def add(self, req: Request) -> None:
         """Queue behind every waiting request of the same or a better (lower) priority."""
@@ -142,12 +157,13 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this step
                 continue
             remaining = len(req.token_ids) - req.num_computed
-            if remaining == 1 and req.num_computed < len(req.blocks) * bs:  # a decode with room in its last block
+            drafts = self._drafts_that_fit(req, budget) if remaining == 1 and req.drafts else 0
+            if remaining == 1 and not drafts and req.num_computed < len(req.blocks) * bs:  # room in its last block
                 decodes.append(Scheduled(req, req.num_computed, 1))
                 scheduled.add(id(req))
                 budget -= 1
                 continue
-            n = min(remaining, budget)
+            n = min(remaining + drafts, budget)
             upto = req.num_computed + n
             need = 0 if upto <= len(req.blocks) * bs else self._blocks_needed(req, upto)
             while need > self.pool.num_free:
@@ -162,7 +178,7 @@ class Scheduler:
                 continue
             if need:
                 req.blocks += self.pool.allocate(need)
-            (decodes if remaining == 1 else prefills).append(Scheduled(req, req.num_computed, n))
+            (decodes if remaining == 1 and not drafts else prefills).append(Scheduled(req, req.num_computed, n, drafts))
             scheduled.add(id(req))
             budget -= n
 
@@ -172,6 +188,9 @@ class Scheduler:
             if req.num_computed == 0 and not req.blocks:
                 # Keep at least the last token to compute: its logits give the next token.
                 hit, hashes = self.pool.match_prefix(req.token_ids, (len(req.token_ids) - 1) // bs, req.cache_salt)
+                if self.drafter_reads_next_token and hit:
+                    self.pool.release(hit[-1:])
+                    hit, hashes = hit[:-1], hashes[:-1]
                 req.blocks, req.block_hashes, req.num_computed = hit, hashes, len(hit) * bs
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = req.num_computed
@@ -197,6 +216,30 @@ class Scheduler:
                 self.register_full_blocks(s.request, s.start + s.n)
         return StepPlan(items, preempted)
 
+    def _drafts_that_fit(self, req: Request, budget: int) -> int:
+        """How many of a decode's drafts its step verifies: what the token budget leaves after its last token and
+        the slots it holds or the pool has free. Drafts are optional: no request is preempted for them."""
+        room = (len(req.blocks) + self.pool.num_free) * self.pool.block_size - req.num_computed - 1
+        return max(0, min(len(req.drafts), budget - 1, room))
+
+    def release_past(self, req: Request, upto: int) -> None:
+        """Give back the blocks that hold no position below `upto` (after a verification: blocks that held only
+        rejected drafts and that the next drafts do not need). They were never registered: they held no full
+        block of known tokens."""
+        keep = -(-upto // self.pool.block_size)
+        if len(req.blocks) > keep:
+            self.pool.release(req.blocks[keep:])
+            del req.blocks[keep:]
+
+    def grow(self, req: Request, upto: int) -> bool:
+        """Blocks for positions below `upto` from the free pool, without preempting; False if there are too few."""
+        need = self._blocks_needed(req, upto)
+        if need > self.pool.num_free:
+            return False
+        if need:
+            req.blocks += self.pool.allocate(need)
+        return True
+
     def _blocks_needed(self, req: Request, upto: int) -> int:
         bs = self.pool.block_size
         return max(0, -(-upto // bs) - len(req.blocks))
@@ -218,6 +261,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.release(req.blocks)
         req.blocks, req.block_hashes, req.num_computed = [], [], 0
+        req.drafts, req.draft_probs = [], None  # they followed its last token; the recompute samples the next anew
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -64,9 +64,19 @@ class ModelWeights:
         self.model = model
 
     def _tensor(self, name: str) -> torch.Tensor:
+        layer = name.split(".")[1] if name.startswith("layers.") else ""
+        if layer.isdigit() and int(layer) >= self.model.args.n_layers:  # an MTP module's, by the hub's name
+            from paraseek.models.hf import hub_to_ours
+
+            ours, expert = hub_to_ours(f"model.{name}", self.model.args.n_layers)
+            t = self._get(ours)
+            return t if expert is None else t[expert]
         m = self._EXPERT.match(name)
         if m:
             return self.model.get_parameter(f"{m.group(1)}.{m.group(3)}")[int(m.group(2))]
+        return self._get(name)
+
+    def _get(self, name: str) -> torch.Tensor:
         try:
             return self.model.get_parameter(name)
         except AttributeError:

@@ -95,8 +95,9 @@ def _check_address(host: str, port: int) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
-    from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_lora_modules, check_parallel, device_for,
-                                    engine_config, generation_defaults, load_tokenizer, place, spawn)
+    from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_lora_modules, check_parallel,
+                                    check_speculative, device_for, engine_config, generation_defaults,
+                                    load_tokenizer, place, spawn)
     from paraseek.infer.load import resolve_source
 
     _check(ns)
@@ -112,6 +113,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.served_model_name is None and ns.model in ns.lora_modules:
         raise UserError(f"--lora-modules: {ns.model!r} is the base model's name; give the adapter another name")
     check_lora_modules(ns, src.args, "--lora-modules")
+    check_speculative(ns, src)
     max_len = engine_config(ns).context_length(src.args)
     if ns.num_kv_blocks is not None:
         check_capacity(ns.num_kv_blocks, ns.block_size, max_len, given=True)

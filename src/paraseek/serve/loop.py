@@ -200,10 +200,12 @@ class EngineLoop:
                 self.metrics.finished(req.finish_reason, timing, req.request_id)
         if emit is None:
             return
-        n = len(req.logprobs)
-        emit(Delta([req.last_token_id], req.stream.delta if req.stream is not None else "", finished,
-                   req.finish_reason, req.logprobs[n - 1:] if n and req.params.logprobs is not None else [],
-                   req.top_logprobs[n - 1:] if n and req.params.logprobs is not None else [], timing))
+        # A speculative step delivers its accepted drafts with its own token (engine._deliver): all of them.
+        tokens = req.step_token_ids or [req.last_token_id]
+        n, k = len(req.logprobs), len(tokens)
+        emit(Delta(list(tokens), req.stream.delta if req.stream is not None else "", finished,
+                   req.finish_reason, req.logprobs[n - k:] if n and req.params.logprobs is not None else [],
+                   req.top_logprobs[n - k:] if n and req.params.logprobs is not None else [], timing))
 
 
 def _call_all(calls: list) -> None:

@@ -153,6 +153,13 @@ class _EngineState:
         ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens", False),
         ("vllm:generation_tokens", "Number of generation tokens processed.", "generated_tokens", False),
     )
+    # Speculative decoding (infer/spec.py), vLLM's names and meanings (vllm/v1/spec_decode/metrics.py):
+    # verification steps that had drafts, drafts proposed, drafts accepted, and accepted by draft position.
+    VLLM_SPEC_COUNTERS = (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_num_accepted_tokens"),
+    )
     VLLM_GAUGES = (
         ("vllm:num_requests_running", "Number of requests in model execution batches.", "running"),
         ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "waiting"),
@@ -175,6 +182,16 @@ class _EngineState:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
             g.add_metric(self._labels, float(stats.get(key, 0)))
             yield g
+        if "spec_num_drafts" in stats:  # a speculative engine
+            for name, doc, key in self.VLLM_SPEC_COUNTERS:
+                c = CounterMetricFamily(name, doc, labels=LABELS)
+                c.add_metric(self._labels, float(stats[key]))
+                yield c
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels=list(LABELS) + ["position"])
+            for pos, n in enumerate(stats["spec_accepted_per_pos"]):
+                c.add_metric(self._labels + [str(pos)], float(n))
+            yield c
         if "max_loras" in stats:  # vLLM's: the adapters of the running and waiting requests, valued at the time
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])

@@ -145,7 +145,10 @@ class ReplicaSet:
         out: dict = {}
         for p in parts:
             for k, v in p.items():
-                out[k] = out.get(k, 0) + v
+                if k == "spec_accepted_per_pos":  # one count per draft position
+                    out[k] = [a + b for a, b in zip(out.get(k, [0] * len(v)), v)]
+                else:
+                    out[k] = out.get(k, 0) + v
         out["prefix_hit_rate"] = out.get("prefix_cache_hits", 0) / out["prefix_cache_queries"] \
             if out.get("prefix_cache_queries") else 0.0
         total = out.get("kv_blocks_total", 0)

@@ -52,7 +52,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     if out.resolve() in (folder.resolve(), step_dir.resolve(), step_dir.resolve().parent):
         raise UserError(f"{out} is the checkpoint folder itself; write the HF folder somewhere else")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-    src = _with_run_mtp_modules(_from_checkpoint(str(folder), step_dir, None), step_dir)
+    src = with_run_mtp_modules(_from_checkpoint(str(folder), step_dir, None), step_dir)
     _check_lora_choice(src, step_dir, merge_lora, export_adapter)
     tok = model_tokenizer(src.tokenizer, src.args, src.chat_template) if src.tokenizer is not None else None
     if export_adapter:
@@ -77,7 +77,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     return out
 
 
-def _with_run_mtp_modules(src, step_dir: Path):
+def with_run_mtp_modules(src, step_dir: Path):
     """The checkpoint's model with the MTP modules its run held (train/mtp.py: --mtp-layers may have created some
     beside, or without, those of the model it names), which its trainer state records."""
     import dataclasses

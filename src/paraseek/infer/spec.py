@@ -1,0 +1,390 @@
+"""Speculative decoding: a drafter proposes the next K tokens of a request, the target model verifies them all in one
+forward, and the step delivers the accepted drafts plus one token of the target's own (Leviathan et al. 2023, "Fast
+Inference from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding
+with Speculative Sampling").
+
+Verification. A drafting request's step is one chunk of K + 1 tokens over its paged context (the last known token,
+then the drafts: scheduler.Scheduled.num_drafts), through the prefill-chunk path, with logits for every row: row j
+is the target's distribution p_j of the token after draft j (after the request's own transforms: masks, penalties
+that count drafts 1..j as output, temperature, top-k/p, min-p, exactly as plain sampling, sampling.distributions).
+  - greedy: drafts are accepted while each equals the target's argmax at its position; the next token is the
+    argmax at the first mismatch (or after the last draft): exactly plain greedy decoding's tokens.
+  - sampled: draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)), q_j the distribution it was drawn
+    from (one-hot for a deterministic draft: accepted with p_j(x_j)); at the first rejection the token is drawn from
+    normalize(max(0, p_j - q_j)); after K accepted drafts the bonus token is drawn from p_K. Each emitted token is then
+    distributed as the target's (Leviathan et al., appendix A.1). Draws come from the request's own generator.
+
+Drafters.
+  - ngram (prompt lookup, Saxena 2023; vLLM's "ngram"): the longest suffix of the sequence of length in
+    [--ngram-min, --ngram-max] that occurred earlier in it; the K tokens that followed its latest earlier occurrence
+    are the drafts. On the host, from the token ids alone.
+  - mtp: DeepSeek-V3's multi-token-prediction module (model.MTPLayer). Its cache row of position i combines the
+    target's last-block output h_i with the embedding of token i + 1, so after each step its rows are filled for
+    the positions the step verified (from the hidden states that step's forward kept); the row of the last one,
+    whose next token is the step's new token, gives draft 1. Further drafts reuse the same module one position on
+    (its own output as the hidden state, the previous draft as the token: V3 ships one module; vLLM and SGLang
+    draft deeper the same way). A greedy request's drafts are the module's argmax, a sampled request's are drawn
+    from its distribution under the request's transforms, which is kept as q.
+
+Which requests draft: every request of a speculative engine except a grammar-constrained one (its mask depends on the
+tokens before, which the drafts would have to advance and roll back), at most max_tokens - 1 ahead of its output.
+The KV cache: the K + 1 positions write their K/V; the accepted prefix counts as computed, and a rejected position's
+slot is simply rewritten later. After the step a request keeps the blocks its next drafts need; blocks that held
+only rejected positions go back to the pool. No block holding an unverified token is ever registered in the prefix
+cache (registration stops at the last known token). Speculative steps are synchronous (the next drafts need the
+accepted tokens on the host) and, with the MTP drafter, eager (its input is every row's hidden state); plain decode
+steps of an ngram engine that has nothing to draft keep their CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from paraseek.infer.sampling import SampleRow, chosen_logprobs, distributions, draw, sample_rows_per_chunk
+
+
+# ---- drafting on the host -------------------------------------------------------------------------------------------
+def ngram_drafts(token_ids, n_min: int, n_max: int, k: int) -> list[int]:
+    """Prompt lookup: for n from n_max down to n_min, the suffix of length n that occurred earlier in the sequence;
+    the (up to) k tokens that followed its latest earlier occurrence. [] when no suffix in the range recurs."""
+    a = np.asarray(token_ids, dtype=np.int64)
+    L = len(a)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        # Windows of a[:L - 1]: the occurrences that end before the last token (the suffix itself starts at L - n).
+        windows_Wn = np.lib.stride_tricks.sliding_window_view(a[:L - 1], n)
+        hits = np.flatnonzero((windows_Wn == a[L - n:]).all(axis=1))
+        if hits.size:
+            after = int(hits[-1]) + n
+            return a[after:after + k].tolist()
+    return []
+
+
+# ---- accepted-draft counts ------------------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    """Verification steps with drafts, drafts proposed and accepted, and both per draft position (vLLM's
+    spec_decode counters)."""
+
+    k: int
+    num_drafts: int = 0  # verification steps of one request that had drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    proposed_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.proposed_per_pos = self.proposed_per_pos or [0] * self.k
+        self.accepted_per_pos = self.accepted_per_pos or [0] * self.k
+
+    def add(self, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for j in range(proposed):
+            self.proposed_per_pos[j] += 1
+            self.accepted_per_pos[j] += j < accepted
+
+    def summary(self) -> dict:
+        """The share of drafts accepted per draft position (accepted / proposed) and the mean accepted length: tokens a verification
+        step delivers on average, its own token included (1 + accepted / steps, as vLLM reports it)."""
+        return {"drafts": self.num_drafts, "draft_tokens": self.num_draft_tokens,
+                "accepted_tokens": self.num_accepted_tokens,
+                "accept_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
+                "accepted_per_position": [a / p if p else None for a, p in zip(self.accepted_per_pos,
+                                                                                 self.proposed_per_pos)],
+                "mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None}
+
+    def since(self, before: SpecStats) -> SpecStats:
+        """The counts added after the snapshot `before` (a copy taken with dataclasses.replace)."""
+        return SpecStats(self.k, self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                         self.num_accepted_tokens - before.num_accepted_tokens,
+                         [a - b for a, b in zip(self.proposed_per_pos, before.proposed_per_pos)],
+                         [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)])
+
+    def snapshot(self) -> SpecStats:
+        return dataclasses.replace(self, proposed_per_pos=list(self.proposed_per_pos),
+                                   accepted_per_pos=list(self.accepted_per_pos))
+
+
+# ---- verification ---------------------------------------------------------------------------------------------------
+@dataclass
+class Verify:
+    """One request's rows of a verification step: its drafts, the distributions they were drawn from ([k, V]; None:
+    deterministic drafts), and k + 1 sample rows (row j: the token after draft j, with drafts 1..j as output)."""
+
+    drafts: list[int]
+    draft_probs: torch.Tensor | None
+    rows: list[SampleRow]
+
+
+@dataclass
+class Verdict:
+    tokens: list[int]  # the accepted drafts, then the target's own token
+    accepted: int
+    logprobs: list[float | None] | None = None  # of each token, when its request asked for them
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def verify(logits_RV: torch.Tensor, groups: list[Verify]) -> list[Verdict]:
+    """The tokens each group's step delivers, from the target's logits of its rows (groups' rows in order). In
+    chunks of whole groups of at most sampling.SAMPLE_CHUNK_LOGITS logits (a lone group larger than that alone), as
+    plain sampling bounds its memory."""
+    step = sample_rows_per_chunk(logits_RV.shape[1])
+    out: list[Verdict] = []
+    r0 = i0 = rows = 0
+    for i, g in enumerate(groups + [None]):
+        if g is None or (rows and rows + len(g.rows) > step):
+            out += _verify(logits_RV[r0:r0 + rows], groups[i0:i])
+            r0, i0, rows = r0 + rows, i, 0
+        if g is not None:
+            rows += len(g.rows)
+    return out
+
+
+def _verify(logits_RV: torch.Tensor, groups: list[Verify]) -> list[Verdict]:
+    rows = [r for g in groups for r in g.rows]
+    d = distributions(logits_RV, rows)
+    dev = logits_RV.device
+    starts = np.cumsum([0] + [len(g.rows) for g in groups]).tolist()
+    accepted = [0] * len(groups)
+    greedy_RL = d.x_BV.argmax(dim=-1).tolist() if any(d.greedy) else None
+    sampled = [i for i, g in enumerate(groups) if not g.rows[0].params.greedy]
+    for i, g in enumerate(groups):
+        if g.rows[0].params.greedy:
+            while accepted[i] < len(g.drafts) and g.drafts[accepted[i]] == greedy_RL[starts[i] + accepted[i]]:
+                accepted[i] += 1
+    final: dict[int, int] = {}
+    if sampled:
+        # p normalized: top-p and min-p zero tokens without rescaling the rest (the draw does not need it).
+        p_RV = d.probs_BV / d.probs_BV.sum(dim=-1, keepdim=True)
+        drafting = [i for i in sampled if groups[i].drafts]
+        if drafting:
+            rows_D = torch.tensor([starts[i] + j for i in drafting for j in range(len(groups[i].drafts))], device=dev)
+            toks_D = torch.tensor([t for i in drafting for t in groups[i].drafts], device=dev)
+            p_D = p_RV[rows_D, toks_D]
+            q_D = torch.cat([g.draft_probs[torch.arange(len(g.drafts), device=dev), torch.tensor(g.drafts, device=dev)]
+                             if g.draft_probs is not None else torch.ones(len(g.drafts), device=dev)
+                             for g in (groups[i] for i in drafting)])
+            u_D = torch.cat([torch.rand(len(groups[i].drafts), device=dev, generator=groups[i].rows[0].generator)
+                             for i in drafting])
+            ok = (u_D * q_D < p_D).tolist()  # u < p / q, without dividing by a q of 0
+            o = 0
+            for i in drafting:
+                k = len(groups[i].drafts)
+                while accepted[i] < k and ok[o + accepted[i]]:
+                    accepted[i] += 1
+                o += k
+        last_SV = []
+        for i in sampled:
+            g, a = groups[i], accepted[i]
+            p_V = p_RV[starts[i] + a]
+            if a < len(g.drafts):  # rejected: the residual max(0, p - q), q one-hot for a deterministic draft
+                if g.draft_probs is not None:
+                    res_V = (p_V - g.draft_probs[a].to(p_V.dtype)).clamp(min=0)
+                else:
+                    res_V = p_V.clone()
+                    res_V[g.drafts[a]] = 0
+                # An empty residual (p <= q everywhere: p = q up to rounding) leaves p itself.
+                p_V = torch.where(res_V.sum() > 0, res_V, p_V)
+            last_SV.append(p_V)
+        tokens_S = draw(torch.stack(last_SV), [groups[i].rows[0].generator for i in sampled]).tolist()
+        final = dict(zip(sampled, tokens_S))
+    out = []
+    for i, g in enumerate(groups):
+        a = accepted[i]
+        last = final[i] if i in final else greedy_RL[starts[i] + a]
+        out.append(Verdict(g.drafts[:a] + [last], a))
+    if d.logprobs_BV is not None:  # of the delivered tokens, at the rows that gave them
+        want = [i for i, g in enumerate(groups) if g.rows[0].params.logprobs is not None]
+        idx = [starts[i] + j for i in want for j in range(len(out[i].tokens))]
+        lps, tops = chosen_logprobs(d.logprobs_BV[idx], torch.tensor([t for i in want for t in out[i].tokens],
+                                                                     device=dev), [rows[r] for r in idx])
+        o = 0
+        for i in want:
+            n = len(out[i].tokens)
+            out[i].logprobs, out[i].top_logprobs = lps[o:o + n], tops[o:o + n]
+            o += n
+    return out
+
+
+def verify_rows(first: SampleRow, req, drafts: list[int]) -> list[SampleRow]:
+    """The sample rows of a drafting request's verification: `first` is its plain sample row (the engine's);
+    row j sees drafts 1..j as output (the penalties count them, min_tokens' suppression counts them)."""
+    p = first.params
+    rows = [first]
+    for j in range(1, len(drafts) + 1):
+        rows.append(dataclasses.replace(
+            first, output_ids=req.output_ids + drafts[:j] if p.penalized else [],
+            suppress_ids=sorted(req.stop_ids) if req.num_output + j < p.min_tokens else []))
+    return rows
+
+
+# ---- the drafters ---------------------------------------------------------------------------------------------------
+class Drafter:
+    """What a speculative engine asks of its drafter: `propose` the next drafts of the requests of a step just
+    verified (the step's plan items, whether each gave its request a token, and for MTP the hidden states the
+    step's forward kept)."""
+
+    keeps_hidden = False  # whether the target's forwards keep their hidden states for the drafter
+
+    def __init__(self, k: int):
+        self.k = k
+        self.stats = SpecStats(k)
+
+    def limit(self, req) -> int:
+        """The drafts a request may take now: K, at most max_tokens - 1 beyond its output (the step delivers one
+        token of its own), none for a grammar-constrained request."""
+        if req.grammar is not None:
+            return 0
+        return max(0, min(self.k, req.params.max_tokens - req.num_output - 1))
+
+    def propose(self, engine, items, sampled: list[bool]) -> None:
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, k: int, n_min: int, n_max: int):
+        super().__init__(k)
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose(self, engine, items, sampled: list[bool]) -> None:
+        from paraseek.infer.scheduler import Status
+
+        for s, got_token in zip(items, sampled):
+            req = s.request
+            if got_token and req.status is Status.RUNNING:
+                k = self.limit(req)
+                req.drafts = ngram_drafts(req.token_ids, self.n_min, self.n_max, k) if k else []
+                req.draft_probs = None
+
+
+@dataclass
+class _Segment:
+    """Rows of one request in a drafter forward: positions start.., their input tokens and input hidden rows."""
+
+    req: object
+    start: int
+    ids: list[int]
+    hidden: list[int]
+
+
+class MtpDrafter(Drafter):
+    keeps_hidden = True
+
+    def propose(self, engine, items, sampled: list[bool]) -> None:
+        from paraseek.infer.scheduler import Status
+
+        # 1. The drafter's cache rows of the positions this step verified, from the target's hidden states of
+        # those rows; the last row of a request that got a token gives its first draft.
+        segs, drafting, row = [], [], 0
+        for s, got_token in zip(items, sampled):
+            req = s.request
+            if req.status is Status.RUNNING and req.num_computed > s.start:
+                n = req.num_computed - s.start  # row i reads token i + 1, known for every verified position
+                segs.append(_Segment(req, s.start, req.token_ids[s.start + 1:s.start + n + 1],
+                                     list(range(row, row + n))))
+                if got_token and self.limit(req):
+                    drafting.append(req)
+            row += s.n
+        for req in drafting:
+            req.drafts, req.draft_probs = [], None
+        if not segs:
+            return
+        want = {id(r) for r in drafting}
+        hb, order = _drafter_batch(segs, engine.cfg.block_size, want)
+        logits_SV = engine._forward(hb)
+        out_rows = {id(g.req): r for g, r in zip(order, _last_rows(order))}
+        live = [g.req for g in order if id(g.req) in want]
+        probs: dict[int, list[torch.Tensor]] = {id(r): [] for r in live}
+        # 2. Each further draft: the module one position on, from its own output at the position before.
+        while live:
+            step = sample_rows_per_chunk(logits_SV.shape[1])  # bounded memory, as plain sampling's chunks
+            for i in range(0, len(live), step):
+                self._take(logits_SV[i:i + step], live[i:i + step], probs)
+            live = [r for r in live if len(r.drafts) < self.limit(r)
+                    and engine.scheduler.grow(r, r.num_computed + len(r.drafts))]  # the slot of its new row
+            if not live:
+                break
+            segs = [_Segment(r, r.num_computed + len(r.drafts) - 1, [r.drafts[-1]], [out_rows[id(r)]]) for r in live]
+            hb, order = _drafter_batch(segs, engine.cfg.block_size, {id(r) for r in live})
+            logits_SV = engine._forward(hb)
+            out_rows = {id(g.req): r for g, r in zip(order, _last_rows(order))}
+            live = [g.req for g in order]
+        for r in drafting:
+            if probs[id(r)]:
+                r.draft_probs = torch.stack(probs[id(r)])
+
+    @staticmethod
+    def _take(logits_SV: torch.Tensor, reqs: list, probs: dict) -> None:
+        """Each request's next draft from the drafter's logits (rows in `reqs` order): a greedy request's argmax,
+        a sampled request's draw from its distribution under the request's transforms (kept as q)."""
+        rows = [SampleRow(r.params, r.prompt_ids, [], r.generator) for r in reqs]
+        d = distributions(logits_SV, rows)
+        tokens = d.x_BV.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            q_SV = d.probs_BV[sampled] / d.probs_BV[sampled].sum(dim=-1, keepdim=True)
+            drawn = draw(q_SV, [reqs[i].generator for i in sampled])
+            tokens[torch.tensor(sampled, device=tokens.device)] = drawn
+            for i, q_V in zip(sampled, q_SV):
+                probs[id(reqs[i])].append(q_V)
+        for r, t in zip(reqs, tokens.tolist()):
+            r.drafts.append(t)
+
+
+def _last_rows(order: list[_Segment]) -> list[int]:
+    """The row of each segment's last position in a drafter batch built by _drafter_batch (one-row segments
+    first)."""
+    out, row = [], 0
+    for g in order:
+        row += len(g.ids)
+        out.append(row - 1)
+    return out
+
+
+def _drafter_batch(segs: list[_Segment], bs: int, want: set[int]):
+    """The drafter's forward over the segments (the engine's step layout: one-row segments as decode rows, then
+    chunks over each request's whole context in the drafter's cache layer), with logits at the last row of each
+    segment whose request is in `want`. Returns (HostBatch, the segments in row order)."""
+    from paraseek.infer.runner import HostBatch
+
+    order = [g for g in segs if len(g.ids) == 1] + [g for g in segs if len(g.ids) > 1]
+    nd = sum(len(g.ids) == 1 for g in order)
+    M = max([len(g.req.blocks) for g in order[:nd]], default=1)
+    bt = np.zeros((nd, M), dtype=np.int32)
+    ids, pos, slots, hidden, lens, k_slots, logits_idx = [], [], [], [], [], [], []
+    ctx = np.zeros(nd, dtype=np.int32)
+    row = 0
+    for i, g in enumerate(order):
+        blocks = np.asarray(g.req.blocks, dtype=np.int64)
+        p = np.arange(g.start, g.start + len(g.ids))
+        ids += g.ids
+        hidden += g.hidden
+        pos.append(p)
+        slots.append(blocks[p // bs] * bs + p % bs)
+        if i < nd:
+            bt[i, :len(blocks)] = blocks
+            ctx[i] = g.start + 1
+        else:
+            c = np.arange(g.start + len(g.ids))
+            k_slots.append(blocks[c // bs] * bs + c % bs)
+            lens.append((len(g.ids), g.start + len(g.ids)))
+        row += len(g.ids)
+        if id(g.req) in want:
+            logits_idx.append(row - 1)
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    hb = HostBatch(np.asarray(ids, np.int64), cat(pos), cat(slots), nd, bt, ctx, lens, cat(k_slots),
+                   np.asarray(logits_idx, np.int64), hidden_rows=np.asarray(hidden, np.int64))
+    return hb, order
+
+
+def make_drafter(cfg) -> Drafter:
+    if cfg.speculative == "ngram":
+        return NgramDrafter(cfg.spec_tokens, *cfg.ngram_range)
+    return MtpDrafter(cfg.spec_tokens)
