@@ -1,11 +1,8 @@
 """The planner: closed forms for model states, activation bytes against what autograd really saves, known facts
 about real models and clusters, the JSON contract and bad input. Fast (CPU, a few seconds)."""
 
-import argparse
-import io
 import json
 import weakref
-from contextlib import redirect_stdout
 
 import pytest
 import torch
@@ -13,11 +10,11 @@ import torch
 from paraseek.errors import UserError
 from paraseek.models import build_model, param_counts, resolve_model
 from paraseek.planner import Plan, best_plan, evaluate, make_cluster, model_state_bytes, search
-from paraseek.planner.cli import register
 from paraseek.planner.infer import kv_bytes_per_token, plan_inference
 from paraseek.planner.memory import GiB, in_flight, layer_activation_bytes, model_terms, partition, rank_shares
 from paraseek.planner.plan import load_profile
 from paraseek.planner.search import scaling
+from plan_cli import run_plan_cli
 
 
 def model(name: str, **changes):
@@ -318,16 +315,6 @@ def test_profile_overrides_datasheet_rates(tmp_path):
 
 
 # ---- the CLI contract ----------------------------------------------------------------------------------------------
-def run_plan_cli(*argv: str) -> tuple[int, str]:
-    p = argparse.ArgumentParser(prog="paraseek")
-    register(p.add_subparsers(dest="command", required=True))
-    ns = p.parse_args(["plan", *argv])
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        rc = ns.func(ns)
-    return rc, buf.getvalue()
-
-
 def test_json_has_the_promised_fields_best_first():
     rc, out = run_plan_cli("--model", "deepseek-v2-lite", "--gpus", "16", "--gpu-type", "H100", "--seq-len", "4096",
                            "--global-batch-size", "256", "--top", "5", "--json")

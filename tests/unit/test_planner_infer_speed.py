@@ -4,12 +4,9 @@ number of experts a batch touches against sampling, the scheduler replay against
 engine logged in measured runs, the fit against the measured rows it was fitted from, and `plan --mode infer`'s
 speed report and engine settings."""
 
-import argparse
-import io
 import json
 import random
 import re
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,8 @@ from paraseek.errors import UserError
 from paraseek.models import ModelArgs, preset_config
 from paraseek.planner import infer_speed as S
 from paraseek.planner import make_cluster
-from paraseek.planner.cli import register
 from paraseek.planner.infer import engine_defaults
+from plan_cli import run_plan_cli
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 H200 = make_cluster("H200", 1)
@@ -231,25 +228,21 @@ def test_fused_moe_pricing_is_within_10_percent_of_its_tuning_timings():
 
 
 # ---- plan --mode infer -----------------------------------------------------------------------------------------------
-def run_plan(*argv: str) -> tuple[int, str]:
-    p = argparse.ArgumentParser(prog="paraseek")
-    register(p.add_subparsers(dest="command", required=True))
-    ns = p.parse_args(["plan", *argv])
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        rc = ns.func(ns)
-    return rc, buf.getvalue()
-
-
 def test_engine_defaults_follow_the_gpu_memory():
     assert engine_defaults(make_cluster("H200", 1)) == (1024, 16384)
     assert engine_defaults(make_cluster("H100", 1)) == (1024, 16384)
     assert engine_defaults(make_cluster("A100-80GB", 1)) == (256, 8192)
     assert engine_defaults(make_cluster("L40S", 1)) == (256, 8192)
+    # The planner's copy of the engine's rule (infer/config.offline_defaults; the planner imports no infer code).
+    from paraseek.infer.config import offline_defaults
+
+    for gpu in ("H200", "H100", "A100-80GB", "A100-40GB", "L40S", "V100", "T4"):
+        c = make_cluster(gpu, 1)
+        assert engine_defaults(c) == offline_defaults(c.memory_gib, f"NVIDIA {c.gpu.name}")[:2], gpu
 
 
 def test_plan_infer_json_carries_the_speed_report():
-    rc, out = run_plan("--model", "deepseek-r1-distill-qwen-1.5b", "--gpus", "2", "--gpu-type", "H200", "--mode",
+    rc, out = run_plan_cli("--model", "deepseek-r1-distill-qwen-1.5b", "--gpus", "2", "--gpu-type", "H200", "--mode",
                        "infer", "--seq-len", "8192", "--context-len", "1024", "--global-batch-size", "32",
                        "--num-requests", "200", "--json")
     doc = json.loads(out)
@@ -275,15 +268,15 @@ def test_plan_infer_json_carries_the_speed_report():
 
 
 def test_plan_infer_engine_flags_and_their_checks():
-    rc, out = run_plan("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "A100-80GB", "--mode", "infer",
+    rc, out = run_plan_cli("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "A100-80GB", "--mode", "infer",
                        "--num-requests", "0", "--json")
     s = json.loads(out)["plans"][0]["speed"]
     assert s["engine"]["max_num_seqs"] == 256 and s["engine"]["max_batched_tokens"] == 8192 and "offline" not in s
-    rc, out = run_plan("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "H200", "--mode", "infer",
+    rc, out = run_plan_cli("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "H200", "--mode", "infer",
                        "--max-num-seqs", "128", "--max-batched-tokens", "4096", "--num-requests", "50", "--json")
     s = json.loads(out)["plans"][0]["speed"]
     assert (s["engine"]["max_num_seqs"], s["engine"]["max_batched_tokens"]) == (128, 4096)
-    rc, text = run_plan("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "H200", "--mode", "infer",
+    rc, text = run_plan_cli("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "H200", "--mode", "infer",
                         "--num-requests", "50")
     assert rc == 0 and "ms/token" in text and "TTFT" in text and "output tok/s" in text
     for argv, msg in [
@@ -294,4 +287,4 @@ def test_plan_infer_engine_flags_and_their_checks():
         (["--mode", "infer", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     ]:
         with pytest.raises(UserError, match=msg):
-            run_plan("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "H200", *argv)
+            run_plan_cli("--model", "deepseek-v2-lite", "--gpus", "1", "--gpu-type", "H200", *argv)

@@ -3,34 +3,21 @@ accepts, weak scaling, flat FSDP vs HSDP across nodes, 100 columns), GPUs withou
 fit. Fast (CPU, seconds); no number asserted here is an output of the code under test taken as truth: the checks are
 directions, bounds, rankings and the engine's own validation."""
 
-import argparse
-import io
 import json
 import shlex
-from contextlib import redirect_stdout
 
 import pytest
 
 from paraseek.models import build_model, resolve_model
 from paraseek.planner import Plan, best_plan, evaluate, make_cluster, search
-from paraseek.planner.cli import register
 from paraseek.planner.memory import compiled_layer_activation_bytes, layer_activation_bytes
 from paraseek.planner.plan import AC_MODES
 from paraseek.planner.search import MEMORY_HEADROOM, explain, scaling
+from plan_cli import run_plan_cli
 
 
 def model(name: str, **changes):
     return resolve_model(name)[0].replace(**changes)
-
-
-def run_plan_cli(*argv: str) -> tuple[int, str]:
-    p = argparse.ArgumentParser(prog="paraseek")
-    register(p.add_subparsers(dest="command", required=True))
-    ns = p.parse_args(["plan", *argv])
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        rc = ns.func(ns)
-    return rc, buf.getvalue()
 
 
 def train_accepts(command: str) -> None:
