@@ -5,8 +5,9 @@ R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf
 
     python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
 
-Groups: tests, llama8b, llama8b_latency, llama8b_sampled, qwen, qwen_all, v2lite_all, v3cut_latency, v2lite, v3cut (V3's first 6
-layers), v3deep (V3's architecture at 27 layers of reduced width), profiles (scripts/gpu/decode_profile.py per case,
+Groups: cases (bench-infer on each case of $BENCH_CASES), tests, llama8b, llama8b_latency, llama8b_sampled, qwen,
+qwen_all, v2lite_all, v3cut_latency, v2lite, v3cut (V3's first 6 layers), v3deep (V3's architecture at 27 layers of
+reduced width; V3DEEP_PROFILE=1 adds its batch-1 profile), profiles (scripts/gpu/decode_profile.py per case,
 this code and .baseline/'s), tune (the fused-MoE configs), gemv (the decode GEMV's configs), attn_tune (the
 paged decode attention's launch configs), stress, hf (HF generate on the same requests, 8B and 1.5B;
 hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under `paraseek bench-serve`,
@@ -148,8 +149,21 @@ def group_v3deep(out: Path, anchors: str) -> list[dict]:
                intermediate_size=5632, moe_intermediate_size=512, q_lora_rank=768, num_nextn_predict_layers=0)
     cfg.pop("quantization_config", None)
     (folder / "config.json").write_text(json.dumps(cfg))
-    return [bench(out, "v3deep", str(folder), "--workloads", "latency,concurrency", "--concurrency", "64",
+    rows = [bench(out, "v3deep", str(folder), "--workloads", "latency,concurrency", "--concurrency", "64",
                   "--concurrency-input", "2048", "--concurrency-output", "128")]
+    if os.environ.get("V3DEEP_PROFILE") == "1":  # where its batch-1 step goes, kernel by kernel
+        rows += profile_cases(out, f"{folder}:1:128", ROOT, "profile")
+    return rows
+
+
+def group_cases(out: Path, anchors: str) -> list[dict]:
+    """bench-infer on each case of $BENCH_CASES: `NAME MODEL FLAG...` separated by `;` (random weights), e.g.
+    "v2lite-t8k deepseek-v2-lite --workloads throughput --num-requests 500 --max-batched-tokens 8192"."""
+    rows = []
+    for case in filter(None, (c.strip() for c in os.environ.get("BENCH_CASES", "").split(";"))):
+        name, model, *flags = case.split()
+        rows.append(bench(out, name, model, *flags, timeout=300))
+    return rows
 
 
 # Final logits of two weight formats of one model: every position of 8 prompts of 128 random tokens, each prefilled
