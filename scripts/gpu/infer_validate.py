@@ -352,6 +352,31 @@ def group_serve(out: Path, anchors: str, server_flags: tuple[str, ...] = (), see
     return results
 
 
+def group_serve_structured(out: Path, anchors: str) -> list[dict]:
+    """What structured outputs and tool calls cost the server: concurrency 32, the serve group's lengths, free text
+    against response_format json_schema and against chat with tools and tool_choice required (bench-serve
+    --structured), on one server; the throughput ratio of each to free text. Random weights: the grammar, not the
+    model, shapes each output, and every request runs to its output length or its grammar's end."""
+    n = "64" if LLAMA == "tiny-dense" else "256"
+    base = ["--max-concurrency", "32", "--num-prompts", n, "--seed", "31"]
+    # A random-weights preset has no tokenizer and no chat template: the bundled tokenizer and the shipped R1 tools
+    # template (its tool-call format is what the parser reads back).
+    assets = ROOT / "src/paraseek/assets"
+    server = ["--tokenizer", str(assets / "tokenizer/tokenizer.json"),
+              "--chat-template", str(assets / "chat_templates/deepseek_r1_tools.jinja")]
+    results = _serve(out, server, [base + ["--endpoint", "chat"], base + ["--endpoint", "chat", "--structured", "json"],
+                               base + ["--endpoint", "chat", "--structured", "tools"]],
+                     lengths=("32", "16") if LLAMA == "tiny-dense" else ("512", "128"))
+    runs = results[-1].get("runs", [])
+    if len(runs) == 3 and runs[0].get("output_throughput"):
+        free = runs[0]["output_throughput"]
+        results.append({"name": "structured cost", "rc": 0, "summary": "; ".join(
+            f"{what}: {r['output_throughput']:,.0f} out tok/s = {r['output_throughput'] / free:.1%} of free text "
+            f"({r.get('completed', '?')} completed, {r.get('output_tokens', '?')} output tokens)"
+            for what, r in zip(("free text", "json_schema", "tools required"), runs))})
+    return results
+
+
 def group_serve2048(out: Path, anchors: str) -> list[dict]:
     """The serve group with 2048 tokens per step instead of 8192 (new seeds: nothing in the cache from a run
     before)."""
@@ -417,7 +442,8 @@ def _pyspy_digest(raw: Path, top: int = 25) -> list[str]:
     return lines
 
 
-def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]], profile: bool = False) -> list[dict]:
+def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]], profile: bool = False,
+           lengths: tuple[str, str] = ("512", "128")) -> list[dict]:
     import shutil
     import urllib.request
 
@@ -439,7 +465,7 @@ def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]], pro
     results = [{"name": "serve start", "rc": 0 if ready else 1, "summary": f"ready after {time.time() - t0:.0f} s"}]
     runs = []
     if ready:
-        common = ["--input-len", "512", "--output-len", "128", "--json", "--model", "llama8b"]
+        common = ["--input-len", lengths[0], "--output-len", lengths[1], "--json", "--model", "llama8b"]
         for flags in bench_flags:
             spy = shutil.which("py-spy") or next((str(p) for p in Path("/tmp/site/bin").glob("py-spy")), None)
             if profile and spy:
