@@ -358,14 +358,15 @@ def group_serve_structured(out: Path, anchors: str) -> list[dict]:
     --structured), on one server; the throughput ratio of each to free text. Random weights: the grammar, not the
     model, shapes each output, and every request runs to its output length or its grammar's end."""
     n = "64" if LLAMA == "tiny-dense" else "256"
-    base = ["--max-concurrency", "32", "--num-prompts", n, "--seed", "31"]
+    base = ["--max-concurrency", "32", "--num-prompts", n, "--endpoint", "chat"]
     # A random-weights preset has no tokenizer and no chat template: the bundled tokenizer and the shipped R1 tools
     # template (its tool-call format is what the parser reads back).
     assets = ROOT / "src/paraseek/assets"
     server = ["--tokenizer", str(assets / "tokenizer/tokenizer.json"),
               "--chat-template", str(assets / "chat_templates/deepseek_r1_tools.jinja")]
-    results = _serve(out, server, [base + ["--endpoint", "chat"], base + ["--endpoint", "chat", "--structured", "json"],
-                               base + ["--endpoint", "chat", "--structured", "tools"]],
+    # a seed each: no run finds another's prompts in the prefix cache
+    results = _serve(out, server, [base + ["--seed", "31"], base + ["--seed", "32", "--structured", "json"],
+                                   base + ["--seed", "33", "--structured", "tools"]],
                      lengths=("32", "16") if LLAMA == "tiny-dense" else ("512", "128"))
     runs = results[-1].get("runs", [])
     if len(runs) == 3 and runs[0].get("output_throughput"):
