@@ -50,6 +50,11 @@ Groups (each runs in under 10 minutes on 2x H200; BENCHMARKS.md cites the comman
         planner's --fp8-experts term is fitted on its runs (docs/planner.md, FP8).
   fp8moeparity  fp8parity on the V2-Lite width cut to 4 layers, every fp8 run with --fp8-experts on (PARITY_EXPERTS=off:
                 the routed experts in bf16).
+  mtp   multi-token prediction on one GPU: the 7B width cut to 4 layers and V2-Lite cut to 4 layers (configs only,
+        seq 4096, global batch 4, synthetic data, eager), each trained 10 steps with the flags of `paraseek plan
+        --gpus 1 --gpu-type H200 --compile false --mtp-layers 1`'s first plan, with and without --mtp-layers 1; the
+        plan's prediction for both (its "mtp" entry is the same plan priced without the modules) beside each, step
+        time and peak allocated memory with the errors (~4 minutes on one H200).
 """
 
 from __future__ import annotations
@@ -754,6 +759,71 @@ def group_fp8moe(out: Path) -> list[dict]:
             for flags in (["--fp8", "off"], ["--fp8", "tensorwise"], ["--fp8", "tensorwise", "--fp8-experts", "on"])]
 
 
+MTP_MODELS = (("7b-4l", "ds7b4", "deepseek-llm-7b"), ("v2lite-4l", "v2lite4", "deepseek-v2-lite"))
+MTP_SEQ, MTP_BATCH, MTP_STEPS = 4096, 4, 10
+
+
+def mtp_predictions() -> list[dict]:
+    """The plan half of the mtp group (runs on a CPU too): per model, `paraseek plan ... --mtp-layers 1 --json`'s first
+    plan on one H200, its train flags, and the predicted step time and allocated peak with and without the modules."""
+    from paraseek.planner.memory import ALLOCATOR_BASE, ALLOCATOR_FRACTION, CUDA_CONTEXT, GiB
+
+    def allocated(total_gib: float) -> float:  # the planner's total less the CUDA context and allocator items
+        return (total_gib - (CUDA_CONTEXT + ALLOCATOR_BASE) / GiB) / (1 + ALLOCATOR_FRACTION)
+
+    out = []
+    for name, cut, preset in MTP_MODELS:
+        model = folder(cut, preset, 4, weights=False)
+        rc, text = sh([sys.executable, "-m", "paraseek", "plan", "--model", model, "--gpus", "1", "--gpu-type", "H200",
+                       "--seq-len", str(MTP_SEQ), "--global-batch-size", str(MTP_BATCH), "--compile", "false",
+                       "--mtp-layers", "1", "--top", "1", "--json"], 300)
+        if rc or "{" not in text:
+            out.append({"name": name, "rc": rc or 1})
+            continue
+        best = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]["plans"][0]
+        argv = best["command"].split()
+        mtp = best["mtp"]
+        out.append({"name": name, "rc": 0, "model": model,
+                    # the plan's train flags; --mtp-layers 1 comes last (Plan.flags), each run adds its own depth
+                    "flags": argv[argv.index("--micro-batch-size"):argv.index("--mtp-layers")],
+                    "predicted": {1: {"step_time_s": best["step_time_s"],
+                                      "mem_gib": allocated(best["memory_gib_per_gpu"])},
+                                  0: {"step_time_s": best["step_time_s"] - mtp["step_time_s"],
+                                      "mem_gib": allocated(best["memory_gib_per_gpu"] - mtp["memory_gib"])}},
+                    "mtp_step_share": mtp["step_share"]})
+        print(f"    {name}: {' '.join(out[-1]['flags'])}; predicted {out[-1]['predicted']}", flush=True)
+    return out
+
+
+def group_mtp(out: Path) -> list[dict]:
+    runs = []
+    for pred in mtp_predictions():
+        if pred["rc"]:
+            runs.append(pred)
+            continue
+        for depth in (0, 1):
+            argv = ["--model", pred["model"], "--seq-len", str(MTP_SEQ), "--global-batch-size", str(MTP_BATCH),
+                    "--data", "synthetic", "--steps", str(MTP_STEPS), *pred["flags"]]
+            r = train_run(out, f"mtp-{pred['name']}-d{depth}", 1, [*argv, "--mtp-layers", str(depth)], timeout=150)
+            tps, p = r["tokens_per_s_per_gpu"], pred["predicted"][depth]
+            r["step_time_s"] = round(MTP_BATCH * MTP_SEQ / tps, 4) if tps else None
+            r["predicted"] = {k: round(v, 4) for k, v in p.items()}
+            if r["step_time_s"]:
+                r["step_time_error"] = round(p["step_time_s"] / r["step_time_s"] - 1, 4)
+            if r["mem_peak_gib"]:
+                r["mem_error"] = round(p["mem_gib"] / r["mem_peak_gib"] - 1, 4)
+            r["flags"] = [*pred["flags"], "--mtp-layers", str(depth)]
+            runs.append(r)
+    print(f"    {'run':<22} {'step s':>8} {'pred':>8} {'err':>7}   {'GiB':>7} {'pred':>7} {'err':>7}")
+    for r in runs:
+        p = r.get("predicted") or {}
+        num = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
+        print(f"    {r['name']:<22} {num(r.get('step_time_s'), '8.3f')} {num(p.get('step_time_s'), '8.3f')} "
+              f"{num(r.get('step_time_error'), '+7.1%')}   {num(r.get('mem_peak_gib'), '7.2f')} "
+              f"{num(p.get('mem_gib'), '7.2f')} {num(r.get('mem_error'), '+7.1%')}", flush=True)
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("groups")
@@ -775,7 +845,7 @@ def main() -> None:
               "fp8llama": group_fp8llama, "fp8parity": group_fp8parity, "fp8moe": group_fp8moe,
               "tp2compile": group_tp2compile, "moehost": group_moehost, "coldwarm": group_coldwarm,
               "gccause": group_gccause, "hostsample": group_hostsample,
-              "mallocvar": group_mallocvar,
+              "mallocvar": group_mallocvar, "mtp": group_mtp,
               "fp8moeparity": lambda out: group_fp8parity(out, moe=True)}.get(g)
         results[g] = fn(out) if fn else {"llama": group_llama, "v2lite": group_v2lite,
                                           "final": group_final, "fp8peer": group_fp8peer}[g](out, a.anchors)
@@ -785,7 +855,7 @@ def main() -> None:
         for r in runs:
             keep = {k: r.get(k) for k in ("rc", "gpus", "tokens_per_s_per_gpu", "mfu", "mem_peak_gib", "step_time_s",
                                           "max_rel_loss_diff", "predicted", "weak_scaling_efficiency", "result",
-                                          "loss", "tail_loss")
+                                          "loss", "tail_loss", "step_time_error", "mem_error")
                     if r.get(k) is not None}
             print(f"{r['name']}: {json.dumps(keep)}")
 

@@ -66,6 +66,10 @@ def register(subparsers) -> None:
                    help="with --fp8: plans with `paraseek train --fp8-experts on`, the routed experts' grouped GEMMs "
                    "in float8 too (Hopper; slower than bf16 below ~1,500 tokens routed to each expert per "
                    "micro-batch, up to 1.75x the experts' GEMM rate with many; default off)")
+    p.add_argument("--mtp-layers", type=int, default=0, metavar="D",
+                   help="train plans with `paraseek train --mtp-layers D`: D multi-token-prediction depths "
+                   "(DeepSeek-V3's MTP modules: one more block, projection and head pass each, on the last pipeline "
+                   "stage) priced in memory and time (default 0: none)")
     p.add_argument("--doc-mask", action="store_true",
                    help="price packed rows with document masks (chat fine-tuning: per-token RoPE tables, positions "
                    "and FlexAttention's block mask per micro-batch)")
@@ -131,6 +135,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         given = [f"--{f.replace('_', '-')}" for f in infer_flags if getattr(ns, f) is not None]
         if given or ns.batch_sizes != "1,8,64,256":
             raise UserError(f"{(given or ['--batch-sizes'])[0]} is for --mode infer")
+    elif ns.mtp_layers:
+        raise UserError("--mtp-layers prices training plans; leave it out with --mode infer")
     if ns.mode == "infer":
         return _run_infer(ns, args, cluster)
 
@@ -139,7 +145,7 @@ def run_plan(ns: argparse.Namespace) -> int:
     if ns.scaling:
         rows = scaling(args, cluster, _counts(ns.scaling), ns.seq_len, ns.global_batch_size, ns.model,
                        weak=not ns.strong, engine_only=not ns.all_dims, compile=compile, document_mask=ns.doc_mask,
-                       fp8=ns.fp8, fp8_experts=ns.fp8_experts == "on")
+                       fp8=ns.fp8, fp8_experts=ns.fp8_experts == "on", mtp_layers=ns.mtp_layers)
         if ns.plot:
             report.plot_scaling(rows, ns.plot, f"{ns.model} on {cluster.gpu.name}, seq {ns.seq_len}, "
                                 f"global batch {ns.global_batch_size} (predicted)")
@@ -152,7 +158,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         return 0
 
     res = search(args, cluster, ns.seq_len, ns.global_batch_size, ns.model, engine_only=not ns.all_dims,
-                 compile=compile, document_mask=ns.doc_mask, fp8=ns.fp8, fp8_experts=ns.fp8_experts == "on")
+                 compile=compile, document_mask=ns.doc_mask, fp8=ns.fp8, fp8_experts=ns.fp8_experts == "on",
+                 mtp_layers=ns.mtp_layers)
     if ns.json:
         print(json.dumps(report.search_json(res, ns.top), indent=2))
     else:

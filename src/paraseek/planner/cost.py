@@ -284,17 +284,17 @@ def host_time(s: RankShare, plan: Plan) -> float:
     syncs (not fitted: no compiled run measured so far was host-bound; a profiled compiled V2-Lite step kept the GPU
     busy 476 of 508 ms: benchmarks/2026-11-30/train-v2lite14-mbs4-compiled-profile-rank0.summary.json)."""
     if plan.compile:
-        return s.n_moe * HOST_EP_S * (plan.ep > 1) + len(s.layers) * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
-    n_dense = len(s.layers) - s.n_moe
+        return s.n_moe * HOST_EP_S * (plan.ep > 1) + s.blocks * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
+    n_dense = s.blocks - s.n_moe
     per = (n_dense * HOST_BLOCK_S["dense"] + s.n_moe * HOST_BLOCK_S["moe"]) * (HOST_TP_FACTOR if plan.tp > 1 else 1.0)
-    per += s.n_moe * HOST_EP_S * (plan.ep > 1) + len(s.layers) * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
+    per += s.n_moe * HOST_EP_S * (plan.ep > 1) + s.blocks * HOST_FSDP_BLOCK_S * (plan.dp_shard > 1)
     return per * HOST_AC_FACTOR[plan.activation_checkpointing]
 
 
 def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> StepTime:
     a, tp, ep = t.args, plan.tp, plan.ep
     eff = c.eff
-    shares = rank_shares(t, tp, ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    shares = rank_shares(t, tp, ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule, plan.mtp_layers)
     m = plan.n_microbatches(global_batch_size)
     tokens = plan.micro_batch_size * t.seq_len
     rate = c.matmul_tflops * 1e12
@@ -308,7 +308,9 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
     # Each group priced at the link it spans under the mesh order (ParallelDims.stride).
     tp_call = collective(c, act_bytes, plan.stride("tp"), tp, "all_gather")  # AG and RS of one buffer cost the same
     # Pipeline sends go at the pace of the slowest hop: over the NICs once the stages span nodes.
-    p2p = (act_bytes / tp) / c.busbw(plan.stride("pp"), plan.pp, ring=False)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
+    # With MTP every stage before the last sends [h; embedding] (two activations' worth: parallel/pipeline.py).
+    sent = act_bytes / tp * (2 if plan.mtp_layers else 1)
+    p2p = sent / c.busbw(plan.stride("pp"), plan.pp, ring=False)[0] + ALPHA_INTRA_S if plan.pp > 1 else 0.0
 
     # Expert GEMMs get more rows per expert as EP gathers tokens from ep ranks, fewer under TP + SP (each tp rank
     # routes only its T / tp tokens to its whole replicated experts): small GEMMs are inefficient.
@@ -343,9 +345,12 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
                                 + s.n_moe * MOE_LAYER_OVERHEAD_S),
             "compute_attention": attention,
             "compute_elementwise": (tokens * s.elem_bytes * elem_traffic * (4 / 3 if full or sel else 1.0)
-                                    + (tokens * a.vocab_size / tp * loss_traffic if s.last else 0.0)) / hbm,
-            # SP: per block AG+RS around attention and MLP, forward and backward (+ forward again under full AC)
-            "tp_comm": len(s.layers) * (12 if full else 8) * tp_call + (4 * tp_call if s.last else 0.0),
+                                    # the main loss, and each MTP depth's (never compiled)
+                                    + (tokens * a.vocab_size / tp * (loss_traffic + s.mtp * LOSS_TRAFFIC)
+                                       if s.last else 0.0)) / hbm,
+            # SP: per block AG+RS around attention and MLP, forward and backward (+ forward again under full AC);
+            # each head's input gathered; each MTP module gathers the embedding's output (and reduces its grad)
+            "tp_comm": s.blocks * (12 if full else 8) * tp_call + ((4 + 6 * s.mtp) * tp_call if s.last else 0.0),
             "ep_all_to_all": s.n_moe * ep_exchange(c, a, plan, tokens, s.dispatch_max, full) if ep > 1 else 0.0,
             "pp_p2p": 2 * plan.pp_virtual_stages * (p2p + PP_ACTION_OVERHEAD_S) if plan.pp > 1 else 0.0,
         }
@@ -376,7 +381,7 @@ def step_time(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> 
 
     # FSDP: all-gather bf16 params, reduce-scatter fp32 grads; dense params over dp_shard, experts over dp_shard/ep.
     s = max(shares, key=lambda x: x.dense + x.experts)
-    n_blocks = max(len(s.layers), 1)
+    n_blocks = max(s.blocks, 1)
     dense, experts = s.dense, s.experts / ep
 
     # tensorwise --fp8 all-gathers the block projections in float8 where they are sharded (the root stays bf16)

@@ -240,33 +240,75 @@ def _whole_params(a: ModelArgs, layer_id: int) -> int:
     return 2 * a.dim + (a.dim if a.o_bias else 0) + _mla_latent_params(a) + _router_params(a, layer_id)
 
 
+def _layer_terms(a: ModelArgs, i: int, params: int, active: int, attn: int) -> LayerTerms:
+    """LayerTerms of block `i` with `params` (all) and `active` (one token's) parameters, `attn` its attention FLOPs
+    per token."""
+    moe = a.is_moe_layer(i)
+    expert = 3 * a.dim * a.moe_inter_dim
+    experts, active_experts = (a.n_routed_experts * expert, a.n_activated_experts * expert) if moe else (0, 0)
+    whole, router = _whole_params(a, i), _router_params(a, i)
+    return LayerTerms(
+        moe=moe,
+        params_split=params - experts - whole, params_whole=whole, params_experts=experts,
+        router=router, partial_whole=router + _mla_latent_params(a),
+        active_split=active - active_experts - whole, active_whole=whole,
+        active_experts=active_experts, attn_flops=attn,
+        act={**{ac: layer_activation_bytes(a, i, ac) for ac in AC},
+             **{ac + "+compile": compiled_layer_activation_bytes(a, i, ac) for ac in AC}},
+        dispatch_bytes=BF16 * a.dim * a.n_activated_experts if moe else 0,
+    )
+
+
 @functools.lru_cache(maxsize=64)
 def model_terms(a: ModelArgs, seq_len: int) -> ModelTerms:
     """Everything per layer the memory and time models need, computed once per (model, seq_len)."""
     c = param_counts(a)
     attn = attention_flops_per_token(a, seq_len) // a.n_layers
-    layers = []
-    for i in range(a.n_layers):
-        moe = a.is_moe_layer(i)
-        expert = 3 * a.dim * a.moe_inter_dim
-        experts, active_experts = (a.n_routed_experts * expert, a.n_activated_experts * expert) if moe else (0, 0)
-        whole, router = _whole_params(a, i), _router_params(a, i)
-        layers.append(LayerTerms(
-            moe=moe,
-            params_split=c.per_layer[i] - experts - whole, params_whole=whole, params_experts=experts,
-            router=router, partial_whole=router + _mla_latent_params(a),
-            active_split=c.per_layer_active[i] - active_experts - whole, active_whole=whole,
-            active_experts=active_experts, attn_flops=attn,
-            act={**{ac: layer_activation_bytes(a, i, ac) for ac in AC},
-                 **{ac + "+compile": compiled_layer_activation_bytes(a, i, ac) for ac in AC}},
-            dispatch_bytes=BF16 * a.dim * a.n_activated_experts if moe else 0,
-        ))
+    layers = tuple(_layer_terms(a, i, c.per_layer[i], c.per_layer_active[i], attn) for i in range(a.n_layers))
     head = 0 if a.tie_embeddings else a.vocab_size * a.dim
     return ModelTerms(
-        args=a, seq_len=seq_len, layers=tuple(layers), embedding=a.vocab_size * a.dim, head=head,
+        args=a, seq_len=seq_len, layers=layers, embedding=a.vocab_size * a.dim, head=head,
         final_norm=a.dim, total_params=c.total,
         flops_per_token=6 * (c.active - c.embedding) + attention_flops_per_token(a, seq_len),
     )
+
+
+# ---- multi-token prediction (--mtp-layers D) -----------------------------------------------------------------------
+# DeepSeek-V3's MTP module k (models/deepseek.py: MTPModule; V3 report sec. 2.2) runs block n_layers + k - 1 -- a block
+# of the same kind as that layer id makes (MoE for V3 and V2-Lite shapes, dense for dense ones) -- between its own
+# token-wise parts: enorm and hnorm, eh_proj ([enorm(emb); hnorm(h)]: 2D -> D) and its final norm, then the main
+# model's head and one more cross-entropy. The modules live on the last pipeline stage, beside the head they share
+# (parallel/pipeline.py), which the stage cut does not price (partition() balances the main layers only, as the
+# engine's cut does). Under TP the blocks are sharded as the main ones and the token-wise parts run on this rank's
+# positions with replicated weights (parallel/tensor.py).
+# The MTP loss is never compiled (models/loss.py: token_cross_entropy in the model's forward): each depth keeps its
+# fp32 log-softmax for backward until the step's backward reaches it.
+MTP_LOSS_SAVED_BYTES_PER_LOGIT = FP32
+
+
+@functools.lru_cache(maxsize=64)
+def mtp_blocks(t: ModelTerms, depth: int) -> tuple[LayerTerms, ...]:
+    """The LayerTerms of the `depth` MTP modules' blocks: block n_layers + k is layer n_layers + k of the same model
+    extended by `depth` layers (Block(n_layers + k, args), so param_counts of that model counts it)."""
+    a = t.args
+    longer = param_counts(a.replace(n_layers=a.n_layers + depth))
+    attn = attention_flops_per_token(a, t.seq_len) // a.n_layers
+    return tuple(_layer_terms(a, i, longer.per_layer[i], longer.per_layer_active[i], attn)
+                 for i in range(a.n_layers, a.n_layers + depth))
+
+
+def mtp_module_params(a: ModelArgs) -> int:
+    """One MTP module's parameters besides its block: eh_proj (2D x D), enorm, hnorm and its final norm."""
+    return 2 * a.dim * a.dim + 3 * a.dim
+
+
+def mtp_module_activation_bytes(a: ModelArgs) -> tuple[int, int]:
+    """Bytes per token one MTP module keeps besides its block, (whole on every tp rank, divided by tp), whatever
+    the checkpointing (only the block is checkpointed and compiled): enorm and hnorm, the concatenated [emb; h]
+    (eh_proj's input), its final norm (on this rank's positions under SP) and that norm's gathered output (the
+    head's input)."""
+    D = a.dim
+    return BF16 * D, 3 * _norm(D) + BF16 * 2 * D
 
 
 # ---- pipeline stages ---------------------------------------------------------------------------------------------
@@ -341,11 +383,12 @@ def in_flight(plan: Plan, rank: int, m: int) -> float:
 
 @dataclass(frozen=True, eq=False)
 class RankShare:
-    """What one pp rank holds of the model, per tp rank, summed once per (model, tp, ep, pp, v, schedule)."""
+    """What one pp rank holds of the model, per tp rank, summed once per (model, tp, ep, pp, v, schedule, MTP depth)."""
 
-    layers: tuple[int, ...]
+    layers: tuple[int, ...]  # the main layers (the MTP modules' blocks are counted apart: `mtp`)
     first: bool  # holds the embedding
     last: bool  # holds the final norm, head and loss
+    mtp: int  # MTP modules trained on this rank (all of them on the last stage's rank, else 0)
     dense: float  # non-expert params on this tp rank (root included)
     experts: float  # routed-expert params on this tp rank (before ep): all of them, they are replicated over tp
     block_max: float  # largest block's local params (FSDP's all-gather unit), experts divided by ep
@@ -355,47 +398,66 @@ class RankShare:
     noac_max: float  # bytes per token of the largest block without checkpointing (rematerialized in backward)
     noac_max_compiled: float  # the same, torch.compile'd
     dispatch_max: float  # bytes per token (of the dp rank's micro-batch) this tp rank sends in one all-to-all
-    n_moe: int
+    n_moe: int  # MoE blocks, the MTP modules' included
     linear_flops: float  # training FLOPs per token on this tp rank: dense/replicated linears (+ head_flops)
     head_flops: float  # the output matmul's share of linear_flops (0 off the last rank): bf16 under --fp8
     expert_flops: float  # routed-expert FLOPs per token on this tp rank: whole experts on T / tp tokens (SP)
     attn_flops: float  # causal half of the score/value matmuls per token on this tp rank
     elem_bytes: float  # saved-activation bytes per token without checkpointing (memory-bound traffic proxy)
 
+    @property
+    def blocks(self) -> int:
+        """Transformer blocks this rank runs: its main layers and its MTP modules' blocks."""
+        return len(self.layers) + self.mtp
+
 
 @functools.lru_cache(maxsize=4096)
-def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str) -> tuple[RankShare, ...]:
+def rank_shares(t: ModelTerms, tp: int, ep: int, pp: int, v: int, schedule: str,
+                mtp: int = 0) -> tuple[RankShare, ...]:
+    """Each pp rank's share. `mtp`: the MTP modules trained (--mtp-layers), held by the rank with the last stage: their
+    blocks count as blocks of that rank, their token-wise parts (mtp_module_params) as whole params beside them, and
+    their heads as more output matmuls."""
     chunks = partition(t, pp * v)
     a = t.args
+    module_w, module_s = mtp_module_activation_bytes(a)
     out = []
     for holds in rank_chunks(pp, v, schedule):
         layers = tuple(i for c in holds for i in range(*chunks[c]))
-        Ls = [t.layers[i] for i in layers]
         first, last = 0 in holds, pp * v - 1 in holds
+        n_mtp = mtp if last else 0
+        main, extra = [t.layers[i] for i in layers], list(mtp_blocks(t, n_mtp))
+        Ls = main + extra
+        modules = n_mtp * mtp_module_params(a)  # whole on every tp rank, run on this rank's positions (SP)
+        module_act = n_mtp * (module_w + module_s / tp)
         root = (t.embedding / tp if first else 0) + ((t.head / tp + t.final_norm) if last else 0)
-        head = 6 * a.vocab_size * a.dim / tp if last else 0  # the output matmul's training FLOPs, tied or not
-        act = {ac: sum(L.act[ac][0] + L.act[ac][1] / tp for L in Ls) for ac in Ls[0].act}
+        # the output matmul's training FLOPs, tied or not, once for the main loss and once per MTP depth
+        head = (1 + n_mtp) * 6 * a.vocab_size * a.dim / tp if last else 0
+        act = {ac: sum(L.act[ac][0] + L.act[ac][1] / tp for L in Ls) + module_act for ac in Ls[0].act}
         noac = [L.act["none"][0] + L.act["none"][1] / tp for L in Ls]
         noac_c = [L.act["none+compile"][0] + L.act["none+compile"][1] / tp for L in Ls]
         out.append(RankShare(
-            layers=layers, first=first, last=last,
-            dense=sum(L.params_split / tp + L.params_whole for L in Ls) + root,
+            layers=layers, first=first, last=last, mtp=n_mtp,
+            dense=sum(L.params_split / tp + L.params_whole for L in Ls) + modules + root,
             # Routed experts are replicated over tp (the engine's TP layout), split over ep only.
             experts=sum(L.params_experts for L in Ls),
-            block_max=max(L.params_split / tp + L.params_whole + L.params_experts / ep for L in Ls),
+            # FSDP2 wraps each MTP module whole (its block and token-wise parts)
+            block_max=max([L.params_split / tp + L.params_whole + L.params_experts / ep for L in main]
+                          + [L.params_split / tp + L.params_whole + L.params_experts / ep + mtp_module_params(a)
+                             for L in extra]),
             tp_partial=sum(L.partial_whole + L.params_experts / ep for L in Ls) if tp > 1 else 0.0,
             root=root, act=act, noac_max=max(noac), noac_max_compiled=max(noac_c),
             # Each tp rank dispatches its own T / tp tokens (SP).
             dispatch_max=max(L.dispatch_bytes for L in Ls) / tp, n_moe=sum(L.moe for L in Ls),
             # MLA's replicated down-projections run on all T gathered tokens on every tp rank (duplicated work); the
-            # router only on this rank's T / tp tokens.
-            linear_flops=6 * sum((L.active_split + L.router) / tp + L.active_whole - L.router for L in Ls) + head,
+            # router and the MTP modules' token-wise parts only on this rank's T / tp tokens.
+            linear_flops=6 * sum((L.active_split + L.router) / tp + L.active_whole - L.router for L in Ls)
+            + 6 * modules / tp + head,
             head_flops=head,
             # Whole experts on T / tp tokens (SP): 1/tp of the expert work per rank. Without SP every tp rank would
             # run them on all T tokens (x tp); the planner's tp plans are SP plans, as the engine's default.
             expert_flops=6 * sum(L.active_experts for L in Ls) / tp,
             attn_flops=sum(L.attn_flops for L in Ls) / tp / 2,
-            elem_bytes=sum(noac),
+            elem_bytes=sum(noac) + module_act,
         ))
     return tuple(out)
 
@@ -427,7 +489,7 @@ def model_state_bytes(args: ModelArgs, plan: Plan, stage: int | None = None, seq
     DDP is dp_shard = 1. FSDP2's dim-0 chunking makes ranks differ by at most one row per parameter; this is the
     mean. `seq_len` only moves pipeline-stage boundaries (they balance FLOPs, attention's included)."""
     t = model_terms(args, seq_len or args.max_seq_len)
-    shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule, plan.mtp_layers)
     elems = [_state_elems(s, plan) for s in shares]
     n = elems[stage] if stage is not None else max(elems)
     out = {"params": FP32 * n, "grads": FP32 * n, "optimizer": 2 * FP32 * n}
@@ -444,7 +506,7 @@ def lora_state_bytes(args: ModelArgs, plan: Plan, spec: LoRASpec, base_bytes: in
     sharded as model_state_bytes shards (FSDP2 over dp_shard; routed experts, and their adapters, over ep and then
     dp_shard / ep). LoRA runs without tp, so nothing is divided by it."""
     t = model_terms(args, seq_len or args.max_seq_len)
-    shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    shares = rank_shares(t, plan.tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule, plan.mtp_layers)
     r = stage if stage is not None else max(range(len(shares)), key=lambda i: _state_elems(shares[i], plan))
     out = _lora_states(args, shares[r], plan, spec, base_bytes)
     out["total"] = sum(out.values())
@@ -487,12 +549,13 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
     """Peak bytes per GPU of `plan` (the worst pp rank), itemized. Plain floats in the loop: the search calls
     this ~10^5 times for 2,048 GPUs."""
     a, tp, ac = t.args, plan.tp, plan.activation_checkpointing
-    shares = rank_shares(t, tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule)
+    shares = rank_shares(t, tp, plan.ep, plan.pp, plan.pp_virtual_stages, plan.pp_schedule, plan.mtp_layers)
     m = plan.n_microbatches(global_batch_size)
     tokens = plan.micro_batch_size * t.seq_len  # per micro-batch per dp rank
     fsdp = not plan.ddp
     on_gpu = 0.0 if plan.cpu_offload else 1.0
-    p2p = 4 * tokens * BF16 * a.dim / tp if plan.pp > 1 else 0.0  # send/recv of activations and their grads
+    # send/recv of activations and their grads; with MTP every stage passes [h; embedding] on (two tensors' worth)
+    p2p = 4 * tokens * BF16 * a.dim / tp * (2 if plan.mtp_layers else 1) if plan.pp > 1 else 0.0
     comm = NCCL_BUFFERS_PER_GROUP * n_groups(plan) + p2p
     dispatch_factor = 2 * tokens * MOE_IMBALANCE if plan.ep > 1 else 0.0
     loss_bytes, grad_bytes = ((COMPILED_LOSS_BYTES_PER_LOGIT, COMPILED_LOGIT_GRAD_BYTES) if compiled_loss(plan)
@@ -540,6 +603,13 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         if s.last:
             acts += tokens * (_norm(a.dim) / tp + BF16 * a.dim)  # final norm, gathered head input
             logits = tokens * a.vocab_size / tp  # vocab-parallel loss
+        # The logits' bytes at the loss and in the head's backward. MTP: each depth's eager cross-entropy runs inside
+        # the forward beside the main logits (bf16) and keeps its fp32 log-softmax until backward reaches it.
+        at_loss, at_head = loss_bytes * logits, grad_bytes * logits
+        if s.mtp:
+            mtp_saved = s.mtp * MTP_LOSS_SAVED_BYTES_PER_LOGIT * logits
+            at_loss = max(at_loss, (BF16 + LOSS_BYTES_PER_LOGIT - MTP_LOSS_SAVED_BYTES_PER_LOGIT) * logits) + mtp_saved
+            at_head += mtp_saved
         dispatch = dispatch_factor * s.dispatch_max  # all-to-all send + receive buffers of one MoE layer
         # reduce_tp_grads concatenates this rank's (dp-sharded) fp32 grads of the tp-replicated params into one flat
         # buffer for its all-reduce, after backward (every block resharded by then).
@@ -553,9 +623,9 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         moments = {
             # the loss: every activation in flight, logits in bf16 + fp32 + fp32 log-softmax
             # (pipelined: from the first backward on, the unsharded grads accumulate beside the activations)
-            "loss": base + (unreduced if pipelined else acc) + bf16 + acts + loss_bytes * logits + dispatch,
+            "loss": base + (unreduced if pipelined else acc) + bf16 + acts + at_loss + dispatch,
             # the head's backward: the logits' grads beside every activation (the blocks' grads not yet made)
-            "head_backward": base + acc + bf16 + acts + head_grads + grad_bytes * logits + dispatch,
+            "head_backward": base + acc + bf16 + acts + head_grads + at_head + dispatch,
             # early backward: a block rematerialized and its grads being reduced; the logits' grads are freed once
             # the head's backward has made its input's grad (measured: counting both together over-predicted the
             # no-checkpointing 1-GPU runs of benchmarks/2026-12-02/compiled-oos-1gpu-c-measured.json by 3-5 GiB,
@@ -569,9 +639,10 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         phase = max(moments, key=moments.__getitem__)
         if worst is None or moments[phase] > worst[0]:
             worst = (moments[phase], r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute,
-                                                 logits, dispatch, comm, trained, tp_flat, head_grads))
-    peak, r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute, logits, dispatch, comm,
-                     trained, tp_flat, head_grads) = worst
+                                                 (at_loss, at_head), dispatch, comm, trained, tp_flat,
+                                                 head_grads))
+    peak, r, phase, (params, grads, acc, optim, bf16, unreduced, acts, recompute, (at_loss, at_head), dispatch,
+                     comm, trained, tp_flat, head_grads) = worst
     during = phase in ("loss", "head_backward", "backward")  # activations alive
     items = {
         "parameters": params, "gradients": acc if during else grads, "optimizer_states": optim,
@@ -579,8 +650,7 @@ def memory(t: ModelTerms, c: Cluster, plan: Plan, global_batch_size: int) -> Mem
         "unreduced_grads": unreduced if phase in ("backward", "end_of_backward") or (phase == "loss" and pipelined)
         else head_grads if phase == "head_backward" else 0.0,
         "activations": acts if during else 0.0, "recompute": recompute if phase == "backward" else 0.0,
-        "logits_loss": (loss_bytes if phase == "loss" else grad_bytes) * logits if phase in ("loss", "head_backward")
-        else 0.0,
+        "logits_loss": at_loss if phase == "loss" else at_head if phase == "head_backward" else 0.0,
         "moe_dispatch": dispatch if during else 0.0, "comm_buffers": comm,
         "tp_grad_buffer": tp_flat if phase == "tp_grad_reduce" else 0.0,
         "optimizer_step_temp": OPTIM_TEMP_BYTES * trained * on_gpu if phase == "optimizer_step" else 0.0,

@@ -42,6 +42,9 @@ class Plan(ParallelDims):
     # --lora-rank (models/lora.py): the base frozen in the compute dtype, only the adapters trained. The user's
     # choice of what to train, so the search never picks it; it prices the run's model states, not a new plan.
     lora: LoRASpec | None = None
+    # --mtp-layers D (train/mtp.py): DeepSeek-V3's multi-token-prediction modules trained beside the next-token loss,
+    # on the last pipeline stage. The user's choice of objective, as lora: priced, never chosen by the search.
+    mtp_layers: int = 0
     # The peers' overlap and kernels (peer_features; cost.py prices each, docs/planner.md, "Overlap"):
     # async_tp: TP's all-gathers and reduce-scatters split into tp pieces, each overlapped with a GEMM on the previous
     # piece (TorchTitan's async TP under torch.compile, Megatron-Core's --tp-comm-overlap).
@@ -116,6 +119,7 @@ class Plan(ParallelDims):
         out += ["--precision fp16"] if self.precision == "fp16" else []
         out += [f"--fp8 {self.fp8}"] if self.fp8 != "off" else []
         out += ["--fp8-experts on"] if self.fp8_experts else []
+        out += [f"--mtp-layers {self.mtp_layers}"] if self.mtp_layers else []
         # Pipelining keeps parameters gathered anyway, and DDP has nothing to reshard.
         if self.pp == 1 and self.dp_shard > 1 and not self.reshard_after_forward:
             out.append("--reshard-after-forward false")

@@ -11,7 +11,7 @@ from paraseek.planner.infer import InferPlan
 from paraseek.planner.memory import GiB
 from paraseek.planner.plan import Cluster, Plan
 from paraseek.planner.search import (MEMORY_HEADROOM, Evaluated, Rejected, ScalingRow, SearchResult, cross_node,
-                                     explain)
+                                     describe_mtp, explain, mtp_cost)
 
 
 def train_command(model: str, c: Cluster, plan: Plan, seq_len: int, global_batch_size: int) -> str:
@@ -51,6 +51,8 @@ def plan_dict(ev: Evaluated, res: SearchResult) -> dict[str, Any]:
     )
     if ev.note:
         d["note"] = ev.note
+    if mtp := mtp_cost(res.model_args, res.cluster, ev, res.seq_len, res.global_batch_size):
+        d["mtp"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in mtp.items()}
     return d
 
 
@@ -158,6 +160,8 @@ def print_search(res: SearchResult, top: int) -> None:
             con.print(f"host memory for offloaded states: {best.memory.host_per_node / GiB:,.0f} GiB per node")
         con.print("why #1: " + explain(res.model_args, res.cluster, best, res.seq_len, res.global_batch_size),
                   markup=False, highlight=False)
+        if mtp := mtp_cost(res.model_args, res.cluster, best, res.seq_len, res.global_batch_size):
+            con.print(describe_mtp(mtp, best.plan.pp), markup=False, highlight=False)
         con.print("run it: " + train_command(res.model, res.cluster, best.plan, res.seq_len, res.global_batch_size),
                   soft_wrap=True, markup=False, highlight=False)
     else:

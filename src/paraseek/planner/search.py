@@ -20,7 +20,7 @@ from paraseek.models.args import ModelArgs
 from paraseek.models.lora_spec import LoRASpec
 from paraseek.planner.cost import StepTime, step_time
 from paraseek.planner.dims import ParallelDims, fp8_experts_problem
-from paraseek.planner.memory import GiB, Memory, memory, model_terms
+from paraseek.planner.memory import GiB, Memory, memory, model_terms, rank_chunks
 from paraseek.planner.plan import AC_MODES, Cluster, Plan
 
 HOST_USABLE = 0.9  # of host memory, for offloaded states (the OS, data loaders and pinned buffers need the rest)
@@ -208,7 +208,8 @@ def _best_of_mesh(args: ModelArgs, c: Cluster, base: Plan, seq_len: int, gbs: in
 
 def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, model: str = "",
            engine_only: bool = False, compile: bool | None = None, document_mask: bool = False,
-           fp8: str = "off", fp8_experts: bool = False, lora: LoRASpec | None = None) -> SearchResult:
+           fp8: str = "off", fp8_experts: bool = False, lora: LoRASpec | None = None,
+           mtp_layers: int = 0) -> SearchResult:
     """Every mesh of c.n_gpus GPUs, its best variant, ranked by memory headroom, then predicted tokens/s per GPU.
     engine_only ranks only what `paraseek train` runs (ParallelDims.problem with the engine's rules, the same check
     the CLI makes before a launch); without it the planner also prices the compositions the engine does not run, and
@@ -216,7 +217,8 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
     `document_mask`: the data is packed with document masks (Plan.document_mask); `fp8`: every plan with this --fp8
     recipe (Plan.fp8), refused on a GPU type without float8 tensor cores; `fp8_experts`: with it, the routed experts
     in float8 too (Plan.fp8_experts; Hopper GPU types, MoE models); `lora`: every plan trains these adapters
-    on a frozen base (Plan.lora), which the engine runs without tp or pp."""
+    on a frozen base (Plan.lora), which the engine runs without tp or pp; `mtp_layers`: every plan trains that many
+    multi-token-prediction depths (Plan.mtp_layers, `paraseek train --mtp-layers`)."""
     if fp8 != "off" and not c.gpu.has_fp8:
         raise UserError(f"--fp8: {c.gpu.name} has no float8 tensor cores (Ada and Hopper GPUs do); plan without it")
     if fp8_experts:
@@ -226,6 +228,11 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
             raise UserError(why)
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
+    if mtp_layers < 0:
+        raise UserError(f"--mtp-layers must be 0 or more MTP depths, got {mtp_layers}")
+    if mtp_layers >= seq_len:  # train/mtp.py's rule
+        raise UserError(f"--mtp-layers {mtp_layers}: depth k predicts the token k + 1 ahead, and a --seq-len {seq_len} "
+                        f"window has no target that far; use --mtp-layers {seq_len - 1} or fewer")
     if global_batch_size <= 0:
         raise UserError(f"--global-batch-size must be positive, got {global_batch_size}")
     if seq_len > args.max_seq_len:
@@ -263,7 +270,8 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
                 eps = [e for e in divisors(dp_shard) if args.n_routed_experts % e == 0] if moe else [1]
                 for ep in eps:
                     base = Plan(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, ep=ep,
-                                document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts, lora=lora)
+                                document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts, lora=lora,
+                                mtp_layers=mtp_layers)
                     best, closest, n, why_not = _best_of_mesh(args, c, base, seq_len, global_batch_size, engine_only,
                                                               compile)
                     res.evaluated += n
@@ -282,11 +290,11 @@ def search(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int, mo
 
 def best_plan(args: ModelArgs, c: Cluster, seq_len: int, global_batch_size: int,
               compile: bool | None = None, document_mask: bool = False, fp8: str = "off",
-              fp8_experts: bool = False, lora: LoRASpec | None = None) -> Evaluated:
+              fp8_experts: bool = False, lora: LoRASpec | None = None, mtp_layers: int = 0) -> Evaluated:
     """The first plan of the ranking that the engine runs (what `paraseek train --plan auto` runs): with memory
     headroom if any, the predicted-fastest. Raises UserError with the closest miss's reason when nothing fits."""
     res = search(args, c, seq_len, global_batch_size, engine_only=True, compile=compile,
-                 document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts, lora=lora)
+                 document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts, lora=lora, mtp_layers=mtp_layers)
     if not res.plans:
         why = res.rejected[0].reason if res.rejected else "no mesh is possible"
         raise UserError(f"no parallel plan fits {c.n_gpus} x {c.gpu.name}: closest: {why}")
@@ -331,6 +339,28 @@ def explain(args: ModelArgs, c: Cluster, ev: Evaluated, seq_len: int, global_bat
     if ev.note:
         parts.append(ev.note)
     return "; ".join(parts)
+
+
+def mtp_cost(args: ModelArgs, c: Cluster, ev: Evaluated, seq_len: int, global_batch_size: int) -> dict:
+    """What the plan's MTP modules add ({} without them): their depth, the pp rank holding them (the one with the
+    last stage), and the step time and peak memory per GPU over the same plan priced without them."""
+    p = ev.plan
+    if not p.mtp_layers or ev.time is None:
+        return {}
+    without = evaluate(args, c, p.replace(mtp_layers=0), seq_len, global_batch_size)
+    added = ev.time.total - without.time.total if without.time else 0.0
+    holder = next(r for r, held in enumerate(rank_chunks(p.pp, p.pp_virtual_stages, p.pp_schedule))
+                  if p.n_stages - 1 in held)
+    return {"depth": p.mtp_layers, "pp_rank": holder, "step_time_s": added, "step_share": added / ev.time.total,
+            "memory_gib": (ev.memory.total - without.memory.total) / GiB}
+
+
+def describe_mtp(cost: dict, pp: int) -> str:
+    """mtp_cost in one line."""
+    d = cost["depth"]
+    where = f"on pp rank {cost['pp_rank']} (the last stage, beside the head)" if pp > 1 else "beside the head"
+    return (f"MTP: {d} depth{'s' if d > 1 else ''} {where}: {cost['step_share']:.1%} of the step "
+            f"(+{cost['step_time_s']:.3f} s), +{cost['memory_gib']:.2f} GiB/GPU at the peak (predicted)")
 
 
 @dataclass
@@ -409,7 +439,7 @@ def _above_100_reason(base: ScalingRow, row: ScalingRow, e: Evaluated) -> str:
 def scaling(args: ModelArgs, c: Cluster, counts: list[int], seq_len: int, global_batch_size: int,
             model: str = "", weak: bool = True, engine_only: bool = True,
             compile: bool | None = None, document_mask: bool = False, fp8: str = "off",
-            fp8_experts: bool = False) -> list[ScalingRow]:
+            fp8_experts: bool = False, mtp_layers: int = 0) -> list[ScalingRow]:
     """The first-ranked plan at each GPU count, same model and node shape, ranked as `paraseek plan` ranks (only what
     `paraseek train` runs unless engine_only=False). weak: the per-GPU batch of the first count stays fixed (the
     global batch grows with the GPUs, as `paraseek bench --scaling` measures); else the global batch is fixed
@@ -431,7 +461,7 @@ def scaling(args: ModelArgs, c: Cluster, counts: list[int], seq_len: int, global
         cn = c.with_gpus(n)
         try:
             res = search(args, cn, seq_len, gbs, model, engine_only=engine_only, compile=compile,
-                         document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts)
+                         document_mask=document_mask, fp8=fp8, fp8_experts=fp8_experts, mtp_layers=mtp_layers)
         except UserError as e:  # e.g. the batch cannot be divided at this count: a row, not the end
             rows.append(ScalingRow(n, None, None, gbs, reason=str(e)))
             continue
