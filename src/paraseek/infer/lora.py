@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from paraseek.errors import UserError
+from paraseek.infer import ops
 
 
 class AdapterNotFound(UserError):
@@ -251,11 +252,18 @@ class LoRALinear:
         X = slots.max_loras * slots.max_rank
         self.a_PXI = torch.zeros((len(pieces) * X, in_features), device=slots.device, dtype=slots.dtype)
         self.b_OX = torch.zeros((base.out_features, X), device=slots.device, dtype=slots.dtype)
+        self.starts = [p.start for p in pieces]
 
     def __call__(self, x_NI: torch.Tensor) -> torch.Tensor:
         y_NO = self.base(x_NI)
         if self.slots.idx_N is None:
             return y_NO
+        if ops.kernels_on():  # two launches whatever the pieces, each token reading its own slot only
+            from paraseek.infer import lora_kernels
+
+            idx_N, R = self.slots.idx_N, self.slots.max_rank
+            ws_NPSR = lora_kernels.shrink(x_NI, self.a_PXI, idx_N, len(self.pieces), R)
+            return lora_kernels.expand_(y_NO, ws_NPSR, self.b_OX, idx_N, self.starts)
         m_NX = self.slots.mask()
         if len(self.pieces) == 1:
             return y_NO.addmm_(torch.where(m_NX, F.linear(x_NI, self.a_PXI), 0), self.b_OX.t())
