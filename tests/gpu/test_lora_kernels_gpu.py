@@ -60,8 +60,8 @@ def test_shrink_and_expand_equal_the_reference(N, I, rows, L, R, dtype):
     ws = lora_kernels.shrink(x, a, idx, P, R)
     ws_ref = lora_kernels.shrink_reference(x, a, idx, P, R)
     assert ws.dtype == torch.float32 and ws.shape[:2] == (N, P) and ws.shape[3] == R
-    assert rel(ws.sum(2), ws_ref.sum(2)) < 1e-5
-    assert (ws[idx < 0] == 0).all()
+    mine = idx >= 0  # a base token's partials are not written (expand_ does not read them)
+    assert rel(ws.sum(2)[mine], ws_ref.sum(2)[mine]) < 1e-5
     got = lora_kernels.expand_(y.clone(), ws, b, idx, starts)
     want = lora_kernels.expand_reference_(y.clone(), ws_ref, b, idx, starts)
     assert got.dtype == y.dtype

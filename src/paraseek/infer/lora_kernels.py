@@ -1,23 +1,31 @@
-"""Triton kernels for the many-adapter LoRA delta of one projection (infer/lora.py, `LoRALinear`): each token reads
-only its own slot's A and B, as Punica's BGMV does (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving", sec. 4:
-batched gather matrix-vector products), in two launches per projection whatever its number of fused pieces.
+"""Triton kernels for the many-adapter LoRA delta of one projection (infer/lora.py, `LoRALinear`): each token meets
+only its own slot's A and B (Punica, Chen et al. 2023, sec. 4: gathered per-token products, BGMV; SGMV's
+grouping of the tokens of one adapter), in two launches per projection whatever its number of fused pieces.
 
 Layouts (lora.py's): X = L*R columns, slot l's in l*R .. l*R + R (zeros past the adapter's rank); A of piece p in rows
 p*X .. (p+1)*X of a_PXI [P*X, I]; B of all pieces in b_OX [O, X], piece p's in its rows of the fused output
-(starts_P: where each piece's rows begin). idx_N [N]: each token's slot, -1 for the base model.
+(starts: where each piece's rows begin). idx_N [N]: each token's slot, -1 for the base model.
 
-  shrink   grid (N, P, S): token n's x [I] against the R rows of its slot's A of piece p, the input cut in S splits
-           of SPLIT_I columns (so a step of few tokens still fills the GPU); fp32 partial sums to a workspace
-           [N, P, S, R]. A base token (slot -1) reads nothing and writes zeros.
-  expand_  grid (N, O / BLOCK_O): token n's partials summed over the S splits (fp32), rounded to the slots' dtype
-           (as the torch path's x A^T is), then y[n, o] += xa[n, piece(o)] . B[o, slot's R columns] in fp32, rounded
-           once to y's dtype (as addmm rounds). A base token's rows are not touched.
+  Programs are (slot l, block of BLOCK_N tokens, ...): a program loads slot l's weights once and applies them to
+  the tokens of its block whose slot is l (tl.dot over the block, the other tokens' rows loaded as zeros and never
+  stored: a row of a product depends on its own token only, so no value of another slot reaches a token). A
+  program whose block holds no token of its slot returns before loading anything, so idle slots cost no bytes
+  and no token reads another slot's weights. Without sorting the tokens (SGMV's segments), the tokens of one slot
+  need not be contiguous; the price is L programs per token block, most of them returning at once.
+  shrink   grid (L, N / BLOCK_N, P * S): x [I] of the block's tokens against the R rows of the slot's A of piece
+           p, the input cut in S splits of SPLIT_I columns (so a step of few tokens still fills the GPU); fp32
+           partial sums to a workspace [N, P, S, R] (a base token's rows are not written).
+  expand_  grid (L, N / BLOCK_N, O / BLOCK_O): the partials summed over the S splits (fp32), rounded to the slots'
+           dtype (as the torch path's x A^T is), times B's R columns of the slot for the block's rows of y (fp32,
+           each row with its piece's x A^T), added to y in place with one rounding to y's dtype (as addmm rounds).
+           A base token's rows are not touched.
 
-Bytes per projection: every token reads its slot's A (P*R*I) and B (O*R) once, mostly from L2 when tokens share
-slots: N*R*(P*I + O) elements, against the torch path's L*R*(P*I + O) read once for the whole step but computed for
-every slot (and 2 + P launches: the masked shrink GEMM, torch.where, one addmm per piece). The only difference in
-numbers from the torch path is the order of the fp32 sums. No host syncs, shapes fixed by the tensors' shapes: the
-kernels run inside the decode CUDA graphs, reading the slots and idx_N as they are at replay.
+Bytes per projection: each slot used by a token block reads its A (P*R*I) and B (O*R) once per block; at most
+N / BLOCK_N blocks, so a decode step of up to 64 tokens reads each used slot once, as the torch path reads every
+slot once. The products run over the whole token block for each slot in use (rows of other tokens are zeros), as
+the torch path's run over all L slots for every token. The only difference in numbers from the torch path is the order of the fp32 sums. No host
+syncs, grids fixed by the tensors' shapes: the kernels run inside the decode CUDA graphs, reading the slots and
+idx_N as they are at replay.
 
 `shrink_reference` and `expand_reference_` are the same contract in plain torch (CPU, tests).
 """
@@ -28,59 +36,79 @@ import torch
 import triton
 import triton.language as tl
 
-from paraseek.infer.kernels import _pow2  # also makes Triton's interpreter usable on CPU (TRITON_INTERPRET=1)
+from paraseek.infer.kernels import _dot_precision, _pow2  # also makes Triton's interpreter usable on CPU (TRITON_INTERPRET=1)
 
-SPLIT_I = 1024  # input columns per shrink program: 4 programs per token and piece at I = 4096
-BLOCK_I = 256  # the shrink's inner tile [R, BLOCK_I]
+SPLIT_I = 1024  # input columns per shrink program: 4 programs per (slot, token block, piece) at I = 4096
+BLOCK_I = 128  # the shrink's inner tile of x [BLOCK_N, BLOCK_I] and A^T [BLOCK_I, R]
 BLOCK_O = 128  # output rows per expand program
+MAX_BLOCK_N = 64  # tokens per program: a decode step of 64 sequences reads each slot's A and B once
 MAX_PIECES = 3  # q|k|v
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, idx_ptr, ws_ptr, stride_x, stride_a, I, X, R,
-                   P: tl.constexpr, S: tl.constexpr, SPLIT_I: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_I: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    s = tl.program_id(2)
-    slot = tl.load(idx_ptr + n).to(tl.int64)
-    offs_R = tl.arange(0, BLOCK_R)
-    mask_R = offs_R < R
-    acc_RI = tl.zeros((BLOCK_R, BLOCK_I), dtype=tl.float32)
-    if slot >= 0:
-        rows_R = p * X + slot * R + offs_R
-        for i0 in range(s * SPLIT_I, (s + 1) * SPLIT_I, BLOCK_I):
+def _shrink_kernel(x_ptr, a_ptr, idx_ptr, ws_ptr, N, stride_x, stride_a, I, X, R,
+                   P: tl.constexpr, S: tl.constexpr, SPLIT_I: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, PRECISION: tl.constexpr):
+    slot = tl.program_id(0)
+    offs_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    p = tl.program_id(2) // S
+    s = tl.program_id(2) % S
+    mine_N = tl.load(idx_ptr + offs_N, mask=offs_N < N, other=-1) == slot
+    if tl.max(mine_N.to(tl.int32), 0) > 0:  # a slot no token of the block uses reads nothing
+        offs_R = tl.arange(0, BLOCK_R)
+        mask_R = offs_R < R
+        rows_R = (p * X + slot * R + offs_R).to(tl.int64)
+        acc_NR = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        for i0 in range(s * SPLIT_I, tl.minimum((s + 1) * SPLIT_I, I), BLOCK_I):
             offs_I = i0 + tl.arange(0, BLOCK_I)
             mask_I = offs_I < I
-            x_I = tl.load(x_ptr + n * stride_x + offs_I, mask=mask_I, other=0.0).to(tl.float32)
-            a_RI = tl.load(a_ptr + rows_R[:, None] * stride_a + offs_I[None, :],
-                           mask=mask_R[:, None] & mask_I[None, :], other=0.0).to(tl.float32)
-            acc_RI += a_RI * x_I[None, :]
-    tl.store(ws_ptr + ((n * P + p) * S + s) * R + offs_R, tl.sum(acc_RI, 1), mask=mask_R)
+            # Other tokens' rows load zeros and are not stored: a row of the product depends on its own x only.
+            x_NI = tl.load(x_ptr + offs_N[:, None].to(tl.int64) * stride_x + offs_I[None, :],
+                           mask=mine_N[:, None] & mask_I[None, :], other=0.0)
+            a_IR = tl.load(a_ptr + rows_R[None, :] * stride_a + offs_I[:, None],
+                           mask=mask_R[None, :] & mask_I[:, None], other=0.0)
+            acc_NR = tl.dot(x_NI, a_IR, acc_NR, input_precision=PRECISION)
+        ws_NR = ws_ptr + ((offs_N[:, None].to(tl.int64) * P + p) * S + s) * R + offs_R[None, :]
+        tl.store(ws_NR, acc_NR, mask=mine_N[:, None] & mask_R[None, :])
 
 
 @triton.jit
-def _expand_kernel(y_ptr, ws_ptr, b_ptr, idx_ptr, stride_y, stride_b, O, R, start1, start2,
-                   P: tl.constexpr, S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(idx_ptr + n).to(tl.int64)
-    if slot >= 0:
-        offs_O = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+def _expand_kernel(y_ptr, ws_ptr, b_ptr, idx_ptr, N, stride_y, stride_b, O, R, start1, start2,
+                   P: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_O: tl.constexpr, PRECISION: tl.constexpr):
+    slot = tl.program_id(0)
+    offs_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mine_N = tl.load(idx_ptr + offs_N, mask=offs_N < N, other=-1) == slot
+    if tl.max(mine_N.to(tl.int32), 0) > 0:
+        offs_O = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
         mask_O = offs_O < O
         offs_R = tl.arange(0, BLOCK_R)
         mask_R = offs_R < R
-        b_OR = tl.load(b_ptr + offs_O[:, None] * stride_b + slot * R + offs_R[None, :],
-                       mask=mask_O[:, None] & mask_R[None, :], other=0.0).to(tl.float32)
+        b_RO = tl.load(b_ptr + offs_O[None, :].to(tl.int64) * stride_b + slot * R + offs_R[:, None],
+                       mask=mask_R[:, None] & mask_O[None, :], other=0.0)
         piece_O = (offs_O >= start1).to(tl.int32) + (offs_O >= start2).to(tl.int32)
-        delta_O = tl.zeros((BLOCK_O,), dtype=tl.float32)
+        rows_N = offs_N[:, None].to(tl.int64)
+        delta_NO = tl.zeros((BLOCK_N, BLOCK_O), dtype=tl.float32)
         for k in tl.static_range(P):
-            xa_R = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            xa_NR = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
             for s in tl.static_range(S):
-                xa_R += tl.load(ws_ptr + ((n * P + k) * S + s) * R + offs_R, mask=mask_R, other=0.0)
-            xa_R = xa_R.to(b_ptr.dtype.element_ty).to(tl.float32)  # x A^T rounded as the torch path's
-            delta_O = tl.where(piece_O == k, tl.sum(b_OR * xa_R[None, :], 1), delta_O)
-        y_O = tl.load(y_ptr + n * stride_y + offs_O, mask=mask_O, other=0.0).to(tl.float32)
-        tl.store(y_ptr + n * stride_y + offs_O, (y_O + delta_O).to(y_ptr.dtype.element_ty), mask=mask_O)
+                xa_NR += tl.load(ws_ptr + ((rows_N * P + k) * S + s) * R + offs_R[None, :],
+                                 mask=mine_N[:, None] & mask_R[None, :], other=0.0)
+            xa_NR = xa_NR.to(b_ptr.dtype.element_ty)  # x A^T rounded as the torch path's
+            d_NO = tl.dot(xa_NR, b_RO, input_precision=PRECISION)
+            delta_NO = tl.where(piece_O[None, :] == k, d_NO, delta_NO)
+        y_NO = y_ptr + rows_N * stride_y + offs_O[None, :]
+        mask_NO = mine_N[:, None] & mask_O[None, :]
+        y = tl.load(y_NO, mask=mask_NO, other=0.0).to(tl.float32)
+        tl.store(y_NO, (y + delta_NO).to(y_ptr.dtype.element_ty), mask=mask_NO)
+
+
+def _block_n(N: int) -> int:
+    return max(16, min(MAX_BLOCK_N, _pow2(N)))  # tl.dot needs 16
+
+
+def _block_r(R: int) -> int:
+    return max(16, _pow2(R))
 
 
 def _check(a_PXI: torch.Tensor, n_pieces: int, rank: int) -> None:
@@ -91,17 +119,20 @@ def _check(a_PXI: torch.Tensor, n_pieces: int, rank: int) -> None:
 
 
 def shrink(x_NI: torch.Tensor, a_PXI: torch.Tensor, idx_N: torch.Tensor, n_pieces: int, rank: int) -> torch.Tensor:
-    """fp32 partials [N, P, S, R] of x[n] A_{p, idx[n]}^T over S input splits (zeros for idx -1): sum over dim 2."""
+    """fp32 partials [N, P, S, R] of x[n] A_{p, idx[n]}^T over S input splits: sum over dim 2 (rows of idx -1 are
+    not written: expand_ does not read them)."""
     _check(a_PXI, n_pieces, rank)
     N, I = x_NI.shape
     if x_NI.stride(-1) != 1:
         x_NI = x_NI.contiguous()
-    S = triton.cdiv(I, SPLIT_I)
+    S, X = triton.cdiv(I, SPLIT_I), a_PXI.shape[0] // n_pieces
     ws_NPSR = torch.empty((N, n_pieces, S, rank), device=x_NI.device, dtype=torch.float32)
     if N > 0:
-        _shrink_kernel[(N, n_pieces, S)](x_NI, a_PXI, idx_N, ws_NPSR, x_NI.stride(0), a_PXI.stride(0), I,
-                                         a_PXI.shape[0] // n_pieces, rank, P=n_pieces, S=S, SPLIT_I=SPLIT_I,
-                                         BLOCK_R=_pow2(rank), BLOCK_I=min(BLOCK_I, _pow2(I)), num_warps=4)
+        bn = _block_n(N)
+        _shrink_kernel[(X // rank, triton.cdiv(N, bn), n_pieces * S)](
+            x_NI, a_PXI, idx_N, ws_NPSR, N, x_NI.stride(0), a_PXI.stride(0), I, X, rank, P=n_pieces, S=S,
+            SPLIT_I=SPLIT_I, BLOCK_N=bn, BLOCK_R=_block_r(rank), BLOCK_I=BLOCK_I,
+            PRECISION=_dot_precision(x_NI.dtype), num_warps=4)
     return ws_NPSR
 
 
@@ -115,9 +146,10 @@ def expand_(y_NO: torch.Tensor, ws_NPSR: torch.Tensor, b_OX: torch.Tensor, idx_N
                          "dim is not contiguous")
     bounds = list(starts[1:]) + [O] * (MAX_PIECES - P)
     if N > 0:
-        _expand_kernel[(N, triton.cdiv(O, BLOCK_O))](y_NO, ws_NPSR, b_OX, idx_N, y_NO.stride(0), b_OX.stride(0), O,
-                                                    R, bounds[0], bounds[1], P=P, S=S, BLOCK_R=_pow2(R),
-                                                    BLOCK_O=BLOCK_O, num_warps=4)
+        bn = _block_n(N)
+        _expand_kernel[(b_OX.shape[1] // R, triton.cdiv(N, bn), triton.cdiv(O, BLOCK_O))](
+            y_NO, ws_NPSR, b_OX, idx_N, N, y_NO.stride(0), b_OX.stride(0), O, R, bounds[0], bounds[1], P=P, S=S,
+            BLOCK_N=bn, BLOCK_R=_block_r(R), BLOCK_O=BLOCK_O, PRECISION=_dot_precision(b_OX.dtype), num_warps=4)
     return y_NO
 
 
