@@ -23,9 +23,9 @@ p*X .. (p+1)*X of a_PXI [P*X, I]; B of all pieces in b_OX [O, X], piece p's in i
 Bytes per projection: each slot used by a token block reads its A (P*R*I) and B (O*R) once per block; at most
 N / BLOCK_N blocks, so a decode step of up to 64 tokens reads each used slot once, as the torch path reads every
 slot once. The products run over the whole token block for each slot in use (rows of other tokens are zeros), as
-the torch path's run over all L slots for every token. The only difference in numbers from the torch path is the order of the fp32 sums. No host
-syncs, grids fixed by the tensors' shapes: the kernels run inside the decode CUDA graphs, reading the slots and
-idx_N as they are at replay.
+the torch path's run over all L slots for every token. The only difference in numbers from the torch path is the
+order of the fp32 sums. No host syncs, grids fixed by the tensors' shapes: the kernels run inside the decode CUDA
+graphs, reading the slots and idx_N as they are at replay.
 
 `shrink_reference` and `expand_reference_` are the same contract in plain torch (CPU, tests).
 """
@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from paraseek.infer.kernels import _dot_precision, _pow2  # also makes Triton's interpreter usable on CPU (TRITON_INTERPRET=1)
+# Importing kernels also makes Triton's interpreter usable on CPU (TRITON_INTERPRET=1).
+from paraseek.infer.kernels import _dot_precision, _pow2
 
 SPLIT_I = 1024  # input columns per shrink program: 4 programs per (slot, token block, piece) at I = 4096
 BLOCK_I = 128  # the shrink's inner tile of x [BLOCK_N, BLOCK_I] and A^T [BLOCK_I, R]
@@ -153,7 +154,7 @@ def expand_(y_NO: torch.Tensor, ws_NPSR: torch.Tensor, b_OX: torch.Tensor, idx_N
     return y_NO
 
 
-# ---- the same contract in plain torch ---------------------------------------------------------------------------------
+# ---- the same contract in plain torch --------------------------------------------------------------------------
 def shrink_reference(x_NI: torch.Tensor, a_PXI: torch.Tensor, idx_N: torch.Tensor, n_pieces: int,
                      rank: int) -> torch.Tensor:
     """[N, P, 1, R] fp32: x[n] A_{p, idx[n]}^T, each token's own slot's rows gathered (zeros for idx -1)."""
