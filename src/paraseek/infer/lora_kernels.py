@@ -39,7 +39,7 @@ import triton.language as tl
 # Importing kernels also makes Triton's interpreter usable on CPU (TRITON_INTERPRET=1).
 from paraseek.infer.kernels import _dot_precision, _pow2
 
-SPLIT_I = 1024  # input columns per shrink program: 4 programs per (slot, token block, piece) at I = 4096
+SPLIT_I = 512  # input columns per shrink program: q|k|v at I = 4096, 8 slots, 64 tokens makes 8 x 3 x 8 = 192
 BLOCK_I = 128  # the shrink's inner tile of x [BLOCK_N, BLOCK_I] and A^T [BLOCK_I, R]
 BLOCK_O = 128  # output rows per expand program
 MAX_BLOCK_N = 64  # tokens per program: a decode step of 64 sequences reads each slot's A and B once
