@@ -3,7 +3,8 @@ projections of 1 to 3 pieces, tokens of every slot and of the base (-1), adapter
 tiny shapes and the 8B's (q|k|v, gate|up, down at 64 tokens, 8 slots of rank 16); another slot's non-finite values
 never reach a token; a captured CUDA graph reads the slots and the tokens' slots as they are at replay. Then the
 engine on CUDA with the kernels on (eager and graphs, fp32): each request's greedy tokens under its adapter are the
-tokens of the model with that adapter merged into its weights (W + B A), base requests the base model's.
+tokens of the model with that adapter merged into its weights (W + B A), base requests the base model's. MLA's
+kv_b adapter read absorbed (query and attended value): the two latent kernels against LatentLoRA's torch path.
 
 Tolerances (max|kernel - reference| / max|reference|): the shrink's fp32 partial sums 1e-5 in both dtypes (fp32
 products of the same inputs, summed in another order); the expanded output 1e-5 in fp32 and 1e-2 in bf16 (one
@@ -103,6 +104,51 @@ def test_captured_graph_reads_slots_and_token_slots_at_replay():
     assert rel(y_out, want) < 1e-2
 
 
+# ---- MLA's kv_b read absorbed -------------------------------------------------------------------------------------
+# (decode tokens n, all tokens N, heads H, nope, V, latent C, slots L, rank R)
+LATENT = [(7, 9, 4, 16, 16, 64, 3, 8)] + ([(64, 64, 16, 128, 128, 512, 8, 16), (1, 1, 128, 128, 128, 512, 4, 16)]
+                                          if CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,N,H,nope,V,C,L,R", LATENT)
+def test_latent_kernels_equal_the_torch_path(n, N, H, nope, V, C, L, R, dtype):
+    """LatentLoRA's absorbed query and attended-value deltas: the kernels against its masked torch path, q_nope a
+    strided view as the model passes it; rows of base tokens untouched."""
+    from types import SimpleNamespace
+
+    from paraseek.infer.lora import LatentLoRA, LoRASlots
+
+    g = torch.Generator().manual_seed(n + H)
+    on = dict(device=DEVICE, dtype=dtype)
+    slots = LoRASlots(L, R, None, DEVICE, dtype)
+    lat = LatentLoRA(slots, 0, H, nope, V, C, lambda t: t)
+    lat.a_XC.copy_((torch.randn(L * R, C, generator=g) / C ** 0.5).to(**on))
+    lat.b_OX.copy_(torch.randn(H * (nope + V), L * R, generator=g).to(**on))
+    idx_N = (torch.arange(N) % (L + 1) - 1)[torch.randperm(N, generator=g)].to(DEVICE)
+    slots.begin(SimpleNamespace(lora=idx_N))
+    q_NHX = torch.randn(N, H, nope + 32, generator=g).to(**on)
+    q_lat = torch.randn(H, n, C, generator=g).to(**on)
+    o_lat = torch.randn(n, H, C, generator=g).to(**on)
+    o = torch.randn(N, H, V, generator=g).to(**on)
+    base = idx_N[:n] < 0
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+
+    want = q_lat.clone()
+    lat.absorb_q_(want, q_NHX[:n, :, :nope])
+    got = q_lat.clone()
+    lora_kernels.latent_absorb_q_(got, q_NHX[:n, :, :nope], lat.b_OX, lat.a_XC, idx_N, V, R)
+    assert torch.equal(got[:, base], q_lat[:, base])
+    assert rel(got, want) < tol and rel(got, q_lat) > 1e-3
+
+    want = o.clone()
+    lat.value_(want, o_lat)
+    got = o.clone()
+    lora_kernels.latent_value_(got, o_lat, lat.a_XC, lat.b_OX, idx_N, nope, R)
+    assert torch.equal(got[:n][base], o[:n][base]) and torch.equal(got[n:], o[n:])
+    assert rel(got, want) < tol and rel(got, o) > 1e-3
+
+
 # ---- the engine against merged models -----------------------------------------------------------------------------
 def _adapter(args, rank: int, seed: int):
     """A random adapter (A [r, I], B [O, r] already scaled) of every projection the slots serve."""
@@ -147,7 +193,8 @@ def _merged_tokens(cfg, adapters: dict, names: list, prompts, eager: bool):
 @pytest.mark.parametrize("cfg_name", ["gqa", "mla"])
 def test_engine_tokens_with_adapters_equal_the_merged_models(cfg_name, eager):
     """fp32, kernels on: two adapters (ranks 16 and 8 in slots of rank 16) and the base in one batch. MLA's dense
-    layers only (kv_b's adapter keeps its torch path, q_a|kv_a and q_b go through the kernels)."""
+    layers only (q_a|kv_a, q_b, o and kv_b's absorbed decode forms through the kernels, kv_b's prefill keys through
+    the torch path)."""
     from test_infer_gpu import GQA, MLA, _model, _prompts
 
     from paraseek.infer import ops

@@ -26,8 +26,9 @@ reads its slot's A (n*R*I) and B (O*R) once for the tokens of its block on that 
 are none, so a decode step of up to 64 tokens reads at most the torch path's L*R*(n*I + O) (only the slots in use;
 the products run over the whole token block for each slot in use, as the torch path's over every slot, which is
 cheap next to the launches saved). Base tokens read nothing and their rows are not written.
-The numbers differ from the torch path's only in the order of the fp32 sums. MLA's kv_b (`LatentLoRA`, below)
-keeps the torch path. Measured with the torch path on one H200 (scripts/gpu/bench_lora_decode.py, the 8B shape, 64
+The numbers differ from the torch path's only in the order of the fp32 sums. MLA's kv_b (`LatentLoRA`, below) has
+one kernel for each of its two decode forms (one launch instead of four, one rounding fewer) and keeps the torch
+path for the prefill keys. Measured with the torch path on one H200 (scripts/gpu/bench_lora_decode.py, the 8B shape, 64
 decode sequences, 8 rank-16 adapters, ~15 extra launches a layer): 8.60 ms a step against the base's 6.14 ms (1.40x,
 while the extra bytes are 4.5%).
 
@@ -324,7 +325,7 @@ class LatentLoRA:
     target = "self_attn.kv_b_proj"
 
     def __init__(self, slots: LoRASlots, layer: int, H: int, nope: int, V: int, C: int, take_b):
-        self.slots, self.layer = slots, layer
+        self.slots, self.layer, self.nope, self.V = slots, layer, nope, V
         self.pieces = [Piece(self.target, 0, H * (nope + V), take_b=take_b)]
         X = slots.max_loras * slots.max_rank
         self.a_XC = torch.zeros((X, C), device=slots.device, dtype=slots.dtype)
@@ -336,6 +337,11 @@ class LatentLoRA:
         """q_lat += q_nope (B_uk A) per head: [H, n, nope] @ [H, nope, X], masked, @ [X, C]."""
         if self.slots.idx_N is None:
             return
+        if ops.kernels_on():  # one launch: each token its own slot's B_uk and A
+            from paraseek.infer import lora_kernels
+
+            return lora_kernels.latent_absorb_q_(q_lat_HnC, q_nope_nHD, self.b_OX, self.a_XC, self.slots.idx_N,
+                                                 self.V, self.slots.max_rank)
         n = q_nope_nHD.shape[0]
         t_HnX = torch.where(self.slots.mask()[:n], torch.bmm(q_nope_nHD.transpose(0, 1), self.b_uk_HDX), 0)
         q_lat_HnC.add_(torch.matmul(t_HnX, self.a_XC))
@@ -344,6 +350,11 @@ class LatentLoRA:
         """o[:n] += o_lat (B_uv A)^T per head: [n, H, C] @ [C, X], masked, then [H, n, X] @ [H, X, V]."""
         if self.slots.idx_N is None:
             return
+        if ops.kernels_on():  # one launch: each token its own slot's A and B_uv
+            from paraseek.infer import lora_kernels
+
+            return lora_kernels.latent_value_(o_NHV, o_lat_nHC, self.a_XC, self.b_OX, self.slots.idx_N, self.nope,
+                                              self.slots.max_rank)
         n = o_lat_nHC.shape[0]
         t_nHX = torch.where(self.slots.mask()[:n, None, :], torch.matmul(o_lat_nHC, self.a_XC.t()), 0)
         o_NHV[:n] += torch.bmm(t_nHX.transpose(0, 1), self.b_uv_HXV).transpose(0, 1)

@@ -176,3 +176,103 @@ def expand_reference_(y_NO: torch.Tensor, ws_NPSR: torch.Tensor, b_OX: torch.Ten
     delta_NO = torch.einsum("nor,nor->no", own_NOR, xa_NPR[:, piece_O])
     y_NO.copy_(torch.where((idx_N >= 0)[:, None], y_NO.float() + delta_NO, y_NO.float()).to(y_NO.dtype))
     return y_NO
+
+
+# ---- MLA's kv_b, read absorbed (lora.py's LatentLoRA) ---------------------------------------------------------------
+# Both run at decode on the step's first n tokens, one program per (slot, block of tokens, head), one launch each
+# (the torch path: a batched GEMM, torch.where, a GEMM and an add). kv_b's B is b_OX [H*(nope+V), X]: head h's
+# W_UK rows h*(nope+V) .. + nope, then its W_UV rows. x A^T-like intermediates are rounded to the slots' dtype as the
+# torch path's are; the result is added to the output in fp32 and rounded once (the torch path rounds its product,
+# then the sum: one rounding fewer here).
+@triton.jit
+def _latent_absorb_kernel(q_lat_ptr, q_ptr, b_ptr, a_ptr, idx_ptr, n, stride_lh, stride_ln, stride_qn, stride_qh,
+                          stride_b, stride_a, C, NOPE, V, R, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    slot = tl.program_id(0)
+    offs_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.program_id(2).to(tl.int64)
+    mine_N = tl.load(idx_ptr + offs_N, mask=offs_N < n, other=-1) == slot
+    if tl.max(mine_N.to(tl.int32), 0) > 0:
+        rows_N = offs_N[:, None].to(tl.int64)
+        offs_D = tl.arange(0, BLOCK_D)
+        offs_R = tl.arange(0, BLOCK_R)
+        mask_R = offs_R < R
+        q_ND = tl.load(q_ptr + rows_N * stride_qn + h * stride_qh + offs_D[None, :],
+                       mask=mine_N[:, None] & (offs_D[None, :] < NOPE), other=0.0)
+        b_DR = tl.load(b_ptr + (h * (NOPE + V) + offs_D[:, None]) * stride_b + slot * R + offs_R[None, :],
+                       mask=(offs_D[:, None] < NOPE) & mask_R[None, :], other=0.0)
+        t_NR = tl.dot(q_ND, b_DR, input_precision=PRECISION).to(a_ptr.dtype.element_ty)
+        for c0 in range(0, C, BLOCK_C):
+            offs_C = c0 + tl.arange(0, BLOCK_C)
+            a_RC = tl.load(a_ptr + (slot * R + offs_R[:, None]) * stride_a + offs_C[None, :],
+                           mask=mask_R[:, None] & (offs_C[None, :] < C), other=0.0)
+            out_NC = q_lat_ptr + h * stride_lh + rows_N * stride_ln + offs_C[None, :]
+            mask_NC = mine_N[:, None] & (offs_C[None, :] < C)
+            q_lat = tl.load(out_NC, mask=mask_NC, other=0.0).to(tl.float32)
+            q_lat += tl.dot(t_NR, a_RC, input_precision=PRECISION)
+            tl.store(out_NC, q_lat.to(q_lat_ptr.dtype.element_ty), mask=mask_NC)
+
+
+@triton.jit
+def _latent_value_kernel(o_ptr, o_lat_ptr, a_ptr, b_ptr, idx_ptr, n, stride_on, stride_oh, stride_ln, stride_lh,
+                         stride_a, stride_b, C, NOPE, V, R, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    slot = tl.program_id(0)
+    offs_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.program_id(2).to(tl.int64)
+    mine_N = tl.load(idx_ptr + offs_N, mask=offs_N < n, other=-1) == slot
+    if tl.max(mine_N.to(tl.int32), 0) > 0:
+        rows_N = offs_N[:, None].to(tl.int64)
+        offs_R = tl.arange(0, BLOCK_R)
+        mask_R = offs_R < R
+        t_NR = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            offs_C = c0 + tl.arange(0, BLOCK_C)
+            lat_NC = tl.load(o_lat_ptr + rows_N * stride_ln + h * stride_lh + offs_C[None, :],
+                             mask=mine_N[:, None] & (offs_C[None, :] < C), other=0.0)
+            a_CR = tl.load(a_ptr + (slot * R + offs_R[None, :]) * stride_a + offs_C[:, None],
+                           mask=mask_R[None, :] & (offs_C[:, None] < C), other=0.0)
+            t_NR = tl.dot(lat_NC, a_CR, t_NR, input_precision=PRECISION)
+        offs_V = tl.arange(0, BLOCK_V)
+        b_RV = tl.load(b_ptr + (h * (NOPE + V) + NOPE + offs_V[None, :]) * stride_b + slot * R + offs_R[:, None],
+                       mask=mask_R[:, None] & (offs_V[None, :] < V), other=0.0)
+        d_NV = tl.dot(t_NR.to(b_ptr.dtype.element_ty), b_RV, input_precision=PRECISION)
+        out_NV = o_ptr + rows_N * stride_on + h * stride_oh + offs_V[None, :]
+        mask_NV = mine_N[:, None] & (offs_V[None, :] < V)
+        o = tl.load(out_NV, mask=mask_NV, other=0.0).to(tl.float32)
+        tl.store(out_NV, (o + d_NV).to(o_ptr.dtype.element_ty), mask=mask_NV)
+
+
+LATENT_BLOCK_C = 128  # latent columns per step of the loops (C = 512 in DeepSeek V2/V3)
+
+
+def latent_absorb_q_(q_lat_HnC: torch.Tensor, q_nope_nHD: torch.Tensor, b_OX: torch.Tensor, a_XC: torch.Tensor,
+                     idx_N: torch.Tensor, V: int, rank: int) -> None:
+    """q_lat[h, t] += (q_nope[t, h] B_uk,h,slot(t)) A_slot(t) for the first n tokens (slot -1: untouched)."""
+    H, n, C = q_lat_HnC.shape
+    nope = q_nope_nHD.shape[2]
+    if q_lat_HnC.stride(-1) != 1 or q_nope_nHD.stride(-1) != 1:
+        raise ValueError("lora kernels: the latent query and q_nope need a contiguous last dim")
+    if n > 0:
+        bn = _block_n(n)
+        _latent_absorb_kernel[(a_XC.shape[0] // rank, triton.cdiv(n, bn), H)](
+            q_lat_HnC, q_nope_nHD, b_OX, a_XC, idx_N, n, q_lat_HnC.stride(0), q_lat_HnC.stride(1),
+            q_nope_nHD.stride(0), q_nope_nHD.stride(1), b_OX.stride(0), a_XC.stride(0), C, nope, V, rank,
+            BLOCK_N=bn, BLOCK_D=_pow2(max(nope, 16)), BLOCK_R=_block_r(rank), BLOCK_C=LATENT_BLOCK_C,
+            PRECISION=_dot_precision(a_XC.dtype), num_warps=4)
+
+
+def latent_value_(o_NHV: torch.Tensor, o_lat_nHC: torch.Tensor, a_XC: torch.Tensor, b_OX: torch.Tensor,
+                  idx_N: torch.Tensor, nope: int, rank: int) -> None:
+    """o[t, h] += (o_lat[t, h] A_slot(t)^T) B_uv,h,slot(t)^T for the first n tokens (slot -1: untouched)."""
+    n, H, C = o_lat_nHC.shape
+    V = o_NHV.shape[2]
+    if o_NHV.stride(-1) != 1 or o_lat_nHC.stride(-1) != 1:
+        raise ValueError("lora kernels: the attention output and its latent need a contiguous last dim")
+    if n > 0:
+        bn = _block_n(n)
+        _latent_value_kernel[(a_XC.shape[0] // rank, triton.cdiv(n, bn), H)](
+            o_NHV, o_lat_nHC, a_XC, b_OX, idx_N, n, o_NHV.stride(0), o_NHV.stride(1), o_lat_nHC.stride(0),
+            o_lat_nHC.stride(1), a_XC.stride(0), b_OX.stride(0), C, nope, V, rank, BLOCK_N=bn,
+            BLOCK_V=_pow2(max(V, 16)), BLOCK_R=_block_r(rank), BLOCK_C=LATENT_BLOCK_C,
+            PRECISION=_dot_precision(a_XC.dtype), num_warps=4)
