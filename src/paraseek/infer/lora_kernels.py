@@ -27,7 +27,8 @@ the torch path's run over all L slots for every token. The only difference in nu
 order of the fp32 sums. No host syncs, grids fixed by the tensors' shapes: the kernels run inside the decode CUDA
 graphs, reading the slots and idx_N as they are at replay.
 
-`shrink_reference` and `expand_reference_` are the same contract in plain torch (CPU, tests).
+`shrink_reference` and `expand_reference_` are the same contract in plain torch (CPU, tests). MLA's kv_b read
+absorbed has its own two kernels at the end (same program layout), held to LatentLoRA's torch path.
 """
 
 from __future__ import annotations
