@@ -4,11 +4,14 @@ and with the requests spread over A different adapters of rank R (infer/lora.py:
 every step, so the cost is that of the slots, not of how many are in use).
 
     python scripts/gpu/bench_lora_decode.py [--model deepseek-r1-distill-llama-8b] [--batch 64] [--adapters 8]
-                                            [--rank 16] [--context 512] [--reps 200]
+                                            [--rank 16] [--context 512] [--reps 200] [--torch-lora]
 
 Random bf16 weights of the model's shape (--random-weights) and random adapters on every projection the slots serve
 (attention and dense MLPs). Prints one line starting with LORA (a JSON object: ms per replayed step of each variant,
 their ratios to the base, and the roofline's ratio from the bytes a step reads: weights + slots over weights).
+The adapters run through the LoRA kernels (infer/lora_kernels.py: two launches per projection) where the platform's
+kernels are on; --torch-lora runs them through the plain-torch masked path instead (2 + pieces launches per
+projection), everything else unchanged, for the comparison ("lora_path" in the line says which).
 On CPU (no graphs) it runs the eager step instead, as a dry run of the plumbing with a tiny model.
 """
 
@@ -18,11 +21,13 @@ import argparse
 import gc
 import json
 import time
+import types
 
 import numpy as np
 import torch
 
 from paraseek.cli import build_parser
+from paraseek.infer import lora
 from paraseek.infer.cli import build_engine, place
 from paraseek.infer.load import resolve_source
 from paraseek.infer.lora import Adapter
@@ -88,7 +93,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--torch-lora", action="store_true", help="adapters through the plain-torch masked path")
     a = ap.parse_args()
+    if a.torch_lora:  # only LoRALinear sees the kernels off; the base model keeps them
+        lora.ops = types.SimpleNamespace(kernels_on=lambda: False)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     max_len = a.context + 128
     blocks = a.batch * (-(-max_len // 16)) + 8
@@ -113,6 +121,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     engine = engine_with("--max-loras", str(a.adapters), "--max-lora-rank", str(a.rank))
+    out["lora_path"] = "kernels" if lora.ops.kernels_on() else "torch"
     t0 = time.perf_counter()
     for i in range(a.adapters):
         engine.load_lora(f"a{i}", f"random-{i}", random_adapter(engine, a.rank, i))

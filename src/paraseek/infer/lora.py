@@ -14,7 +14,23 @@ y += (alpha / r) x A^T B^T) is two GEMMs over all slots at once:
 so a token's row of xa holds x A_l^T in its own slot's R columns and zeros elsewhere, and xa B_all^T = x A_l^T B_l^T.
 A base token's row is all zeros: its output is exactly the base output. The zeros are selected (torch.where), not
 multiplied in, so no value of another slot can reach a token (0 x inf would be NaN); B is checked finite at load.
-The extra bytes a step reads are L*R*(I + O) per adapted hub module; its extra FLOPs 2*N*L*R*(I + O).
+The extra bytes a step reads are L*R*(I + O) per adapted hub module; its extra FLOPs 2*N*L*R*(I + O). This is the
+plain-torch path (CPU, and the reference): 2 + n launches per projection of n fused pieces (below).
+
+On CUDA with the platform's kernels on (infer/lora_kernels.py, after Punica's BGMV and SGMV) each token meets only
+its own slot's A and B, in two launches per projection whatever its pieces: a shrink of every piece at once (x A_p^T
+over the token's R rows, fp32 partial sums over cuts of the input so that few tokens still fill the GPU) and an
+expand that sums them, rounds x A^T to the slots' dtype as the torch path does, and adds the slot's B_p into the
+piece's rows of y in place (fp32, one rounding, as addmm). Programs are (slot, block of up to 64 tokens): one
+reads its slot's A (n*R*I) and B (O*R) once for the tokens of its block on that slot and returns at once when there
+are none, so a decode step of up to 64 tokens reads at most the torch path's L*R*(n*I + O) (only the slots in use;
+the products run over the whole token block for each slot in use, as the torch path's over every slot, which is
+cheap next to the launches saved). Base tokens read nothing and their rows are not written.
+The numbers differ from the torch path's only in the order of the fp32 sums. MLA's kv_b (`LatentLoRA`, below) has
+one kernel for each of its two decode forms (one launch instead of four, one rounding fewer) and keeps the torch
+path for the prefill keys. Measured with the torch path on one H200 (scripts/gpu/bench_lora_decode.py, the 8B shape, 64
+decode sequences, 8 rank-16 adapters, ~15 extra launches a layer): 8.60 ms a step against the base's 6.14 ms (1.40x,
+while the extra bytes are 4.5%).
 
 Fused projections (q|k|v, gate|up, MLA's q_a|kv_a): each hub module is one "piece" with its own A_all, stacked for
 one GEMM x A^T [N, n*L*R] over the n pieces (masked alike), and its B_all in the rows of its part of the fused output
@@ -48,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from paraseek.errors import UserError
+from paraseek.infer import ops
 
 
 class AdapterNotFound(UserError):
@@ -251,11 +268,18 @@ class LoRALinear:
         X = slots.max_loras * slots.max_rank
         self.a_PXI = torch.zeros((len(pieces) * X, in_features), device=slots.device, dtype=slots.dtype)
         self.b_OX = torch.zeros((base.out_features, X), device=slots.device, dtype=slots.dtype)
+        self.starts = [p.start for p in pieces]
 
     def __call__(self, x_NI: torch.Tensor) -> torch.Tensor:
         y_NO = self.base(x_NI)
         if self.slots.idx_N is None:
             return y_NO
+        if ops.kernels_on():  # two launches whatever the pieces, each token reading its own slot only
+            from paraseek.infer import lora_kernels
+
+            idx_N, R = self.slots.idx_N, self.slots.max_rank
+            ws_NPSR = lora_kernels.shrink(x_NI, self.a_PXI, idx_N, len(self.pieces), R)
+            return lora_kernels.expand_(y_NO, ws_NPSR, self.b_OX, idx_N, self.starts)
         m_NX = self.slots.mask()
         if len(self.pieces) == 1:
             return y_NO.addmm_(torch.where(m_NX, F.linear(x_NI, self.a_PXI), 0), self.b_OX.t())
@@ -301,7 +325,7 @@ class LatentLoRA:
     target = "self_attn.kv_b_proj"
 
     def __init__(self, slots: LoRASlots, layer: int, H: int, nope: int, V: int, C: int, take_b):
-        self.slots, self.layer = slots, layer
+        self.slots, self.layer, self.nope, self.V = slots, layer, nope, V
         self.pieces = [Piece(self.target, 0, H * (nope + V), take_b=take_b)]
         X = slots.max_loras * slots.max_rank
         self.a_XC = torch.zeros((X, C), device=slots.device, dtype=slots.dtype)
@@ -313,6 +337,11 @@ class LatentLoRA:
         """q_lat += q_nope (B_uk A) per head: [H, n, nope] @ [H, nope, X], masked, @ [X, C]."""
         if self.slots.idx_N is None:
             return
+        if ops.kernels_on():  # one launch: each token its own slot's B_uk and A
+            from paraseek.infer import lora_kernels
+
+            return lora_kernels.latent_absorb_q_(q_lat_HnC, q_nope_nHD, self.b_OX, self.a_XC, self.slots.idx_N,
+                                                 self.V, self.slots.max_rank)
         n = q_nope_nHD.shape[0]
         t_HnX = torch.where(self.slots.mask()[:n], torch.bmm(q_nope_nHD.transpose(0, 1), self.b_uk_HDX), 0)
         q_lat_HnC.add_(torch.matmul(t_HnX, self.a_XC))
@@ -321,6 +350,11 @@ class LatentLoRA:
         """o[:n] += o_lat (B_uv A)^T per head: [n, H, C] @ [C, X], masked, then [H, n, X] @ [H, X, V]."""
         if self.slots.idx_N is None:
             return
+        if ops.kernels_on():  # one launch: each token its own slot's A and B_uv
+            from paraseek.infer import lora_kernels
+
+            return lora_kernels.latent_value_(o_NHV, o_lat_nHC, self.a_XC, self.b_OX, self.slots.idx_N, self.nope,
+                                              self.slots.max_rank)
         n = o_lat_nHC.shape[0]
         t_nHX = torch.where(self.slots.mask()[:n, None, :], torch.matmul(o_lat_nHC, self.a_XC.t()), 0)
         o_NHV[:n] += torch.bmm(t_nHX.transpose(0, 1), self.b_uv_HXV).transpose(0, 1)
