@@ -224,8 +224,9 @@ def _top_k_top_p(t_BV: torch.Tensor, p: list[SamplingParams]) -> torch.Tensor:
         sorted_BK = sorted_BK.masked_fill(rank_K[None, :] >= k_B[:, None], float("-inf"))
     probs_BK = sorted_BK.softmax(dim=-1)  # = the softmax over V with the tokens outside the top k at -inf
     if any(q.top_p < 1 for q in p):
-        # Keep the smallest set of tokens whose probability reaches top_p (the most likely token always stays).
-        top_p_B = _rows_tensor([q.top_p for q in p], dev)
+        # Keep the smallest set of tokens whose probability reaches top_p (the most likely token always stays). A row
+        # without top-p keeps every token: its cumulative sum may round up to 1 before the tail.
+        top_p_B = _rows_tensor([q.top_p if q.top_p < 1 else math.inf for q in p], dev)
         probs_BK = probs_BK.masked_fill((probs_BK.cumsum(dim=-1) - probs_BK) >= top_p_B[:, None], 0.0)
     return torch.zeros_like(t_BV).scatter_(1, order_BK, probs_BK)
 
