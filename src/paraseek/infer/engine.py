@@ -325,7 +325,7 @@ class Engine:
                                                  self.stop_token_ids).matcher(params.structured)
         if self.tokenizer is not None and (stream_text or params.stop):
             req.stream = TextStream(self.tokenizer, params)
-        if params.seed is not None:  # speculative verification's acceptance draws (spec.py)
+        if params.seed is not None:  # speculative verification's accept-or-reject draws (spec.py)
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         # The sampler's noise key (sampling.race_reference); an unseeded request's from torch's default generator.
         req.sample_seed = params.seed if params.seed is not None else int(torch.randint(-2**63, 2**63 - 1, ()))

@@ -198,7 +198,7 @@ def distributions(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Distributio
     temp_B = _rows_tensor([1.0 if g else q.temperature for g, q in zip(greedy, p)], dev)
     t_BV = x_BV / temp_B[:, None]
     if any(q.top_k for q in p) or any(q.top_p < 1 for q in p):
-        probs_BV = _top_k_top_p(t_BV, p)
+        probs_BV = _top_k_top_p(t_BV, p, greedy)
     else:
         probs_BV = t_BV.softmax(dim=-1)
     if any(q.min_p > 0 for q in p):
@@ -207,13 +207,15 @@ def distributions(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Distributio
     return Distributions(x_BV, logprobs_BV, probs_BV, greedy)
 
 
-def _top_k_top_p(t_BV: torch.Tensor, p: list[SamplingParams]) -> torch.Tensor:
+def _top_k_top_p(t_BV: torch.Tensor, p: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
     """Probabilities of the tempered logits t_BV after each row's top-k and top-p, from one sort of the row (or one
-    torch.topk of the batch's largest k when every row has a top-k) and one softmax over the sorted values; the
-    dropped tokens get probability 0. top-k keeps exactly k tokens (the first k of the sort on ties)."""
+    torch.topk of the batch's largest k when every sampled row has a top-k) and one softmax over the sorted values;
+    the dropped tokens get probability 0. top-k keeps exactly k tokens (the first k of the sort on ties). A greedy
+    row's probabilities are unused: it neither widens the top-k nor takes a top-p."""
     B, V = t_BV.shape
     dev = t_BV.device
-    k_max = min(V, max(q.top_k or V for q in p))
+    k_max = min(V, max(q.top_k or V for q, g in zip(p, greedy) if not g))
+    p = [SamplingParams(top_k=k_max) if g else q for q, g in zip(p, greedy)]
     if k_max < V:
         sorted_BK, order_BK = t_BV.topk(k_max, dim=-1)
     else:
