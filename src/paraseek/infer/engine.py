@@ -325,8 +325,10 @@ class Engine:
                                                  self.stop_token_ids).matcher(params.structured)
         if self.tokenizer is not None and (stream_text or params.stop):
             req.stream = TextStream(self.tokenizer, params)
-        if params.seed is not None:
+        if params.seed is not None:  # speculative verification's accept-or-reject draws (spec.py)
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        # The sampler's noise key (sampling.race_reference); an unseeded request's from torch's default generator.
+        req.sample_seed = params.seed if params.seed is not None else int(torch.randint(-2**63, 2**63 - 1, ()))
         self.requests[request_id] = req
         self._host_sampled += not req.device_sampled
         if adapter is not None:
@@ -467,9 +469,10 @@ class Engine:
         items = [s for s in plan.items if s.sample]
         if all(s.request.params.greedy for s in items):
             tokens = self.runner.greedy(logits)
-        else:  # on the device, each seeded request from its own generator; read back with the step's tokens
-            tokens = sample(logits, [SampleRow(s.request.params, [], [], s.request.generator) for s in items],
-                            to_host=False).token_ids
+        else:  # on the device, every row's noise in one launch; read back with the step's tokens
+            tokens = sample(logits, [SampleRow(s.request.params, [], [], s.request.generator,
+                                               seed=s.request.sample_seed, position=s.request.num_output)
+                                     for s in items], to_host=False).token_ids
         self.runner.keep_tokens(tokens)
         for s in plan.items:
             s.request.num_computed = s.start + s.n
@@ -543,7 +546,8 @@ class Engine:
         if req.grammar is not None:  # on the host while the step's forward runs on the device
             req.grammar.advance(req.output_ids)
             bitmask = req.grammar.bitmask_W()
-        return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress, bitmask)
+        return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress, bitmask,
+                         seed=req.sample_seed, position=req.num_output)
 
     def _finish_reason(self, req: Request, tok: int, n_tokens: int) -> str | None:
         """Why the request ends with its first n_tokens tokens (the last is `tok`), if it does."""

@@ -4,9 +4,17 @@ per-request seeds, log-probabilities.
 
 Order of the transforms (as vLLM and HF apply them): the masks and logit_bias on the raw logits ->
 repetition/frequency/presence penalties ->
-log-probabilities reported from those -> temperature -> top-k -> top-p -> min-p -> sample. Sampling is the Gumbel-max
-trick in its exponential form (argmax p_i / q_i with q_i ~ Exp(1) is a sample from p), so a seeded request draws its
-noise from its own generator and the rest of the batch stays one kernel.
+log-probabilities reported from those -> temperature -> top-k -> top-p -> min-p -> sample. top-k and top-p share
+one sort (a top-k of the largest k in the batch when every row has a top-k) and one softmax.
+
+Sampling is the exponential race, the Gumbel-max trick in its exponential form: argmax_v p_v / E_v with E_v ~ Exp(1)
+i.i.d. is a sample from p / sum(p) (the first arrival of independent exponential clocks of rates p_v; Gumbel 1954,
+Maddison et al. 2014 "A* Sampling", Huijben et al. 2022 "A Review of the Gumbel-max Trick"). Each E_v = -log u_v
+comes from a stateless hash of (the request's seed, its output position, v) -- splitmix64 (Steele, Lea, Flood 2014)
+-- so one launch draws every row's noise, a row's token does not depend on the rest of the batch, and a seeded
+request's tokens are the same run to run. The engine gives an unseeded request a seed when it arrives.
+`race_reference` is the plain-torch form (CPU); sampling_kernels.race computes the same integers and floats on the
+GPU.
 """
 
 from __future__ import annotations
@@ -112,6 +120,10 @@ class SampleRow:
     generator: torch.Generator | None = None
     suppress_ids: list[int] = field(default_factory=list)  # stop tokens before min_tokens
     bitmask_W: torch.Tensor | None = None  # a grammar's allowed tokens: int32 [ceil(V / 32)], bit v % 32 of word v // 32
+    # The race's noise key (race_reference): the request's seed and the output position of the token sampled.
+    # None: drawn from `generator` (or torch's default generator) by `draw` instead.
+    seed: int | None = None
+    position: int = 0
 
 
 @dataclass
@@ -185,22 +197,40 @@ def distributions(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Distributio
     p = [r.params for r in rows]
     temp_B = _rows_tensor([1.0 if g else q.temperature for g, q in zip(greedy, p)], dev)
     t_BV = x_BV / temp_B[:, None]
-    if any(q.top_k for q in p):
-        k_B = _rows_tensor([q.top_k if q.top_k else V for q in p], dev, torch.int64).clamp(max=V)
-        kth_B = t_BV.sort(dim=-1, descending=True).values.gather(1, (k_B - 1)[:, None])
-        t_BV = t_BV.masked_fill(t_BV < kth_B, float("-inf"))
-    probs_BV = t_BV.softmax(dim=-1)
-    if any(q.top_p < 1 for q in p):
-        # Keep the smallest set of tokens whose probability reaches top_p (the most likely token always stays).
-        sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
-        top_p_B = _rows_tensor([q.top_p for q in p], dev)
-        drop_sorted = (sorted_BV.cumsum(dim=-1) - sorted_BV) >= top_p_B[:, None]
-        drop_BV = torch.zeros_like(drop_sorted).scatter_(1, order_BV, drop_sorted)
-        probs_BV = probs_BV.masked_fill(drop_BV, 0.0)
+    if any(q.top_k for q in p) or any(q.top_p < 1 for q in p):
+        probs_BV = _top_k_top_p(t_BV, p, greedy)
+    else:
+        probs_BV = t_BV.softmax(dim=-1)
     if any(q.min_p > 0 for q in p):
         min_p_B = _rows_tensor([q.min_p for q in p], dev)
         probs_BV = probs_BV.masked_fill(probs_BV < min_p_B[:, None] * probs_BV.amax(-1, keepdim=True), 0.0)
     return Distributions(x_BV, logprobs_BV, probs_BV, greedy)
+
+
+def _top_k_top_p(t_BV: torch.Tensor, p: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+    """Probabilities of the tempered logits t_BV after each row's top-k and top-p, from one sort of the row (or one
+    torch.topk of the batch's largest k when every sampled row has a top-k) and one softmax over the sorted values;
+    the dropped tokens get probability 0. top-k keeps exactly k tokens (the first k of the sort on ties). A greedy
+    row's probabilities are unused: it neither widens the top-k nor takes a top-p."""
+    B, V = t_BV.shape
+    dev = t_BV.device
+    k_max = min(V, max(q.top_k or V for q, g in zip(p, greedy) if not g))
+    p = [SamplingParams(top_k=k_max) if g else q for q, g in zip(p, greedy)]
+    if k_max < V:
+        sorted_BK, order_BK = t_BV.topk(k_max, dim=-1)
+    else:
+        sorted_BK, order_BK = t_BV.sort(dim=-1, descending=True)
+    if any(q.top_k and q.top_k < k_max for q in p):
+        k_B = _rows_tensor([min(q.top_k or V, k_max) for q in p], dev, torch.int64)
+        rank_K = torch.arange(k_max, device=dev)
+        sorted_BK = sorted_BK.masked_fill(rank_K[None, :] >= k_B[:, None], float("-inf"))
+    probs_BK = sorted_BK.softmax(dim=-1)  # = the softmax over V with the tokens outside the top k at -inf
+    if any(q.top_p < 1 for q in p):
+        # Keep the smallest set of tokens whose probability reaches top_p (the most likely token always stays). A row
+        # without top-p keeps every token: its cumulative sum may round up to 1 before the tail.
+        top_p_B = _rows_tensor([q.top_p if q.top_p < 1 else math.inf for q in p], dev)
+        probs_BK = probs_BK.masked_fill((probs_BK.cumsum(dim=-1) - probs_BK) >= top_p_B[:, None], 0.0)
+    return torch.zeros_like(t_BV).scatter_(1, order_BK, probs_BK)
 
 
 def draw(probs_BV: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -213,13 +243,72 @@ def draw(probs_BV: torch.Tensor, generators: list[torch.Generator | None]) -> to
     return (probs_BV / noise_BV).argmax(dim=-1)
 
 
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: 2^64 / the golden ratio, odd
+MIX_1 = 0xBF58476D1CE4E5B9
+MIX_2 = 0x94D049BB133111EB
+
+
+def _signed64(x: int) -> int:
+    """The int64 with the bits of x mod 2^64 (torch has no uint64 arithmetic; int64's wraps the same)."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _shr64(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors holding uint64 bits (>> on int64 is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 tensors holding uint64 bits (products wrap mod 2^64)."""
+    z = (z ^ _shr64(z, 30)) * _signed64(MIX_1)
+    z = (z ^ _shr64(z, 27)) * _signed64(MIX_2)
+    return z ^ _shr64(z, 31)
+
+
+def uniform_noise(seed_B: torch.Tensor, position_B: torch.Tensor, V: int) -> torch.Tensor:
+    """[B, V] float32 u in (0, 1) for (seed, position, v): z = mix64(key + v * GOLDEN_GAMMA) with
+    key = mix64(mix64(seed) + position), u = ((z >> 40) + 0.5) / 2^24 (24 bits: exact in float32, never 0 or 1).
+    seed_B and position_B are int64 (a seed's bits mod 2^64)."""
+    key_B = _mix64(_mix64(seed_B) + position_B)
+    v_V = torch.arange(V, device=seed_B.device, dtype=torch.int64)
+    z_BV = _mix64(key_B[:, None] + v_V[None, :] * _signed64(GOLDEN_GAMMA))
+    return (_shr64(z_BV, 40).float() + 0.5) * 2.0**-24
+
+
+def race_reference(probs_BV: torch.Tensor, seed_B: torch.Tensor, position_B: torch.Tensor) -> torch.Tensor:
+    """[B] tokens argmax_v p_v / E_v, E_v = -log u_v (uniform_noise): the exponential race in plain torch."""
+    e_BV = -torch.log(uniform_noise(seed_B, position_B, probs_BV.shape[1]))
+    return (probs_BV.float() / e_BV).argmax(dim=-1)
+
+
+def draw_keyed(probs_BV: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """One token per row of (unnormalized) probabilities, row b's noise keyed by (seeds[b], positions[b]): one
+    Triton launch for the whole batch on CUDA, race_reference elsewhere."""
+    dev = probs_BV.device
+    seed_B = _rows_tensor([_signed64(s) for s in seeds], dev, torch.int64)
+    position_B = _rows_tensor(positions, dev, torch.int64)
+    if dev.type == "cuda":
+        from paraseek.infer import sampling_kernels
+
+        return sampling_kernels.race(probs_BV.contiguous(), seed_B, position_B)
+    return race_reference(probs_BV, seed_B, position_B)
+
+
+def _draw_rows(probs_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The keyed race when every sampled row has a seed (a greedy row's draw is unused: key 0), else `draw`."""
+    if all(r.seed is not None or r.params.greedy for r in rows):
+        return draw_keyed(probs_BV, [r.seed or 0 for r in rows], [r.position for r in rows])
+    return draw(probs_BV, [r.generator for r in rows])
+
+
 def _sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool) -> Sampled:
     d = distributions(logits_BV, rows)
     logprobs_BV = d.logprobs_BV
     if d.probs_BV is None:
         tokens_B = d.x_BV.argmax(dim=-1)
     else:
-        tokens_B = draw(d.probs_BV, [r.generator for r in rows])
+        tokens_B = _draw_rows(d.probs_BV, rows)
         if any(d.greedy):
             tokens_B = torch.where(_rows_tensor(d.greedy, logits_BV.device, torch.bool), d.x_BV.argmax(dim=-1),
                                    tokens_B)

@@ -48,6 +48,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    sample_seed: int = 0  # the sampler's noise key with the output position (sampling.race_reference)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stream: object | None = None  # engine.TextStream when the text is kept as it grows
