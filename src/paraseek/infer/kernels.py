@@ -86,8 +86,33 @@ def _interpreter_numpy_compat() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpreter_e4m3_rounding() -> None:
+    """Triton 3.6's interpreter rounds fp32 -> e4m3 half up and drops the carry into the exponent (127.9 -> 64,
+    100 -> 104, 1000 -> 256); the GPU's cvt.rn.satfinite rounds to nearest even and saturates at 448, as torch's
+    conversion does. Convert fp32 -> e4m3 with torch instead. Only under TRITON_INTERPRET=1 (the CPU test path)."""
+    try:
+        from triton.runtime import interpreter
+        convert = interpreter._convert_float
+    except (ImportError, AttributeError):
+        return
+    if getattr(convert, "_e4m3_by_torch", False):
+        return
+
+    def patched(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            import numpy as np
+
+            x = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32))
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    patched._e4m3_by_torch = True
+    interpreter._convert_float = patched
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_numpy_compat()
+    _interpreter_e4m3_rounding()
 
 # The FP8 KV cache's quantization constants (infer/kv_fp8.py), as compile-time constants of the write kernels.
 KV_SCALE_FLOOR = tl.constexpr(kv_fp8.SCALE_FLOOR)
