@@ -46,6 +46,12 @@ the online softmax (Milakov & Gimelshein 2018: a running max and sum, rescaling 
   were 4-9% faster at large batch but 1.3x (GQA) and 1.5x (MLA) slower at B=1 x 4K; partitions of 128 were 3-17%
   slower at large batch and faster only for MLA at B=1 x 4K (25 us): 256 is the compromise.
 
+  FP8 caches (infer/kv_fp8.py: e4m3 rows, one fp32 scale each; KV_FP8=True): the same programs load e4m3 tiles,
+  widen them exactly to q's dtype in registers, and fold each row's scale into its scores (q.(k_q s) = s (q.k_q))
+  and into P for the P.V product (sum_t p_t s_t v_q,t; the running sum l stays unscaled), so nothing is dequantized
+  in memory; tiles are sized as for a cache in q's dtype. The write kernels (rope_write_kv_, mla_prepare_) quantize
+  each row as kv_fp8.quantize_rows does, with IEEE division (tl.math.div_rn).
+
   Short contexts (at most SHORT_CONTEXT = 512 tokens) use partitions of SHORT_PARTITION = 64 tokens instead,
   still a function of ctx alone, for GQA and MLA alike (MLA at batch 1 over 128 + 256 tokens: two 256-token
   partitions took 22 us a layer on DeepSeek-V2-Lite's shape, one program per partition). Measured on the 8B shape (32 layers, H=32 G=8 D=128), CUDA-graph replays
@@ -693,8 +699,8 @@ def _mla_config(H: int, block_c: int, itemsize: int) -> dict:
 
 
 def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, block_tables_BM: torch.Tensor,
-                     context_lens_B: torch.Tensor, block_size: int, scale: float, k_scale_SG: torch.Tensor | None = None,
-                     v_scale_SG: torch.Tensor | None = None) -> torch.Tensor:
+                     context_lens_B: torch.Tensor, block_size: int, scale: float,
+                     k_scale_SG: torch.Tensor | None = None, v_scale_SG: torch.Tensor | None = None) -> torch.Tensor:
     _check_block_size(block_size)
     B, H, D = q_BHD.shape
     G = k_SGD.shape[1]

@@ -144,8 +144,8 @@ def _gather_context(cache_S_: torch.Tensor, block_tables_BM: torch.Tensor, conte
 
 
 def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, block_tables_BM: torch.Tensor,
-                     context_lens_B: torch.Tensor, block_size: int, scale: float, k_scale_SG: torch.Tensor | None = None,
-                     v_scale_SG: torch.Tensor | None = None) -> torch.Tensor:
+                     context_lens_B: torch.Tensor, block_size: int, scale: float,
+                     k_scale_SG: torch.Tensor | None = None, v_scale_SG: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence against its paged K/V (its context_lens_B[b] cached tokens, the new one
     included). Query head h reads kv head h // (H / G). fp8: K and V are x_q * scale, in fp32."""
     if _KERNELS:

@@ -10,8 +10,9 @@ logits of max_num_seqs rows (a few copies: softmax, sort for top-p) -- and the r
 per layer: 2 x n_kv_heads x head_dim (K and V, split over tp; replicated when tp > n_kv_heads) or, for MLA
 (DeepSeek-V2/V3), the compressed latent kv_lora_rank + the shared RoPE key qk_rope_head_dim (V2 paper sec. 2.1.2),
 which is not split by heads and so is held whole on every tp rank; 2 bytes a value, or with --kv-cache-dtype fp8 one
-byte plus a 4-byte scale per row (a token's latent, or one kv head's K or V). Speed (decode steps, prefill, offline runs) is
-infer_speed.py's: the engine's kernels priced one by one at measured rates, its continuous batching replayed.
+byte plus a 4-byte scale per row (a token's latent, or one kv head's K or V). Speed (decode steps, prefill, offline
+runs) is infer_speed.py's: the engine's kernels priced one by one at measured rates, its continuous batching replayed
+(the decode kernels' cache reads priced at 2 bytes a value whatever the cache dtype: fp8 decode is not yet measured).
 """
 
 from __future__ import annotations
