@@ -173,3 +173,53 @@ def test_paged_decode_fp8_cuda_graph_replays_on_new_inputs():
     torch.cuda.synchronize()
     want = step()
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+# ---- the engine on CUDA -----------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not _CUDA, reason="the engine on CUDA")
+@pytest.mark.parametrize("which", ["gqa", "mla"])
+def test_engine_fp8_cache_kernels_and_graphs_equal_the_reference_path_fp32(which):
+    """fp32 weights, an fp8 cache: the Triton path (eager and CUDA-graph replay) gives the plain-torch path's greedy
+    tokens (the same e4m3 rows; the kernels sum in another order)."""
+    import test_infer_gpu as eng
+
+    cfg = eng.GQA if which == "gqa" else dict(eng.MLA, first_k_dense_replace=3)
+    prompts = eng._prompts(12, cfg["vocab_size"])
+    ref, _ = eng._run(cfg, torch.float32, kernels=False, eager=True, prompts=prompts, kv_cache_dtype="fp8")
+    eager, _ = eng._run(cfg, torch.float32, kernels=True, eager=True, prompts=prompts, kv_cache_dtype="fp8")
+    graphs, engine = eng._run(cfg, torch.float32, kernels=True, eager=False, prompts=prompts, kv_cache_dtype="fp8")
+    assert engine.runner.cache.k[0].dtype == E4M3 and engine.runner.graphs
+    assert eager == ref and graphs == ref
+
+
+@pytest.mark.skipif(not _CUDA, reason="the engine on CUDA")
+@pytest.mark.parametrize("which", ["gqa", "mla"])
+def test_engine_fp8_cache_bf16_logits_near_the_bf16_cache(which):
+    """bf16: one graph-replayed decode step's logits with an fp8 cache against the same step with a bf16 cache (the
+    quantization's whole effect on the step), relative 5e-2; and a token takes 1.88x (GQA, head_dim 64) or 1.99x (MLA) fewer bytes."""
+    import test_infer_gpu as eng
+    from paraseek.infer.engine import Engine, EngineConfig
+    from paraseek.infer.sampling import SamplingParams
+
+    cfg = eng.GQA if which == "gqa" else eng.MLA
+    prompts = eng._prompts(5, cfg["vocab_size"], seed=1)
+    logits, reports = {}, {}
+    for dtype in ("auto", "fp8"):
+        engine = Engine(eng._model(cfg, torch.bfloat16), EngineConfig(max_batched_tokens=2048, kv_cache_dtype=dtype,
+                                                                      gpu_memory_utilization=0.3, max_num_seqs=64),
+                        log=lambda *_: None)
+        reports[dtype] = engine.report
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        engine.step()
+        engine.flush()
+        hb, _ = engine._host_batch(engine.scheduler.schedule())
+        assert engine.runner.graph_key(hb) is not None
+        logits[dtype] = engine.runner.run(hb).float().clone()
+        del engine
+        torch.cuda.empty_cache()
+    got, want = logits["fp8"], logits["auto"]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 5e-2
+    fp8, auto = reports["fp8"], reports["auto"]
+    assert fp8.extra["model_dtype_bytes_per_token"] == auto.bytes_per_token
+    assert auto.bytes_per_token / fp8.bytes_per_token > 1.85  # GQA head_dim 64: 128 / 68 = 1.88; MLA 1.99
