@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paraseek.infer.kv_fp8 import SCALE_BYTES, dequantize_rows
 from paraseek.models.args import ModelArgs
+from paraseek.models.hf import E4M3
 
 
 @dataclass(frozen=True)
@@ -34,35 +36,68 @@ class CacheShape:
     kv_heads: int  # local kv heads (MHA/GQA); 1 for MLA's shared latent
     k_dim: int  # head dim (MHA/GQA) or kv_lora_rank + qk_rope_head_dim (MLA: latent then rope key)
     v_dim: int  # head dim (MHA/GQA); 0 for MLA (the value is the latent itself)
+    fp8: bool = False  # e4m3 rows with one fp32 scale each (infer/kv_fp8.py), else the model's dtype
 
     @classmethod
-    def of(cls, a: ModelArgs, tp: int, mtp_layers: int = 0) -> CacheShape:
+    def of(cls, a: ModelArgs, tp: int, mtp_layers: int = 0, fp8: bool = False) -> CacheShape:
         """`mtp_layers`: the MTP drafter's blocks (infer/spec.py), cached after the model's layers (layer index
         n_layers + k), in the same blocks and slots: a sequence's drafter K/V comes and goes with its own."""
         n = a.n_layers + mtp_layers
         if a.is_mla:  # not split by heads: every tp rank holds the whole latent (as the planner assumes)
-            return cls(n, True, 1, a.kv_lora_rank + a.qk_rope_head_dim, 0)
-        return cls(n, False, max(a.n_kv_heads // tp, 1), a.head_dim, a.head_dim)
+            return cls(n, True, 1, a.kv_lora_rank + a.qk_rope_head_dim, 0, fp8)
+        return cls(n, False, max(a.n_kv_heads // tp, 1), a.head_dim, a.head_dim, fp8)
+
+    @property
+    def rows_per_token(self) -> int:
+        """Rows per token and layer, one scale each in fp8: MLA's one latent row; K and V of each kv head."""
+        return 1 if self.mla else 2 * self.kv_heads
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        elt = torch.empty((), dtype=dtype).element_size()
-        return self.n_layers * self.kv_heads * (self.k_dim + self.v_dim) * elt
+        """All layers' bytes of one token: in `dtype` (the model's), or e4m3 plus the rows' scales when fp8."""
+        values = self.n_layers * self.kv_heads * (self.k_dim + self.v_dim)
+        if self.fp8:
+            return values + self.n_layers * self.rows_per_token * SCALE_BYTES
+        return values * torch.empty((), dtype=dtype).element_size()
 
 
 class KVCache:
     """The cache tensors. MHA/GQA: per layer `kv[l]` [S, 2, G, D] (a token's K and V side by side, so one copy
-    writes both), with `k[l]`, `v[l]` its [S, G, D] views; MLA: `k[l]` [S, C + R]. S = slots."""
+    writes both), with `k[l]`, `v[l]` its [S, G, D] views; MLA: `k[l]` [S, C + R]. S = slots.
+
+    FP8 (shape.fp8): the same tensors in e4m3, and beside them each row's fp32 scale: `kv_scale[l]` [S, 2, G] with
+    `k_scale[l]`, `v_scale[l]` its [S, G] views (MHA/GQA), `k_scale[l]` [S] (MLA). Otherwise the scale lists hold
+    None, which the ops read as "no scales". `dtype` is the model's: what prefill reads the context back in."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
-        S = num_blocks * block_size
+        self.shape, self.num_blocks, self.block_size, self.dtype = shape, num_blocks, block_size, dtype
+        S, L = num_blocks * block_size, shape.n_layers
+        store = E4M3 if shape.fp8 else dtype
+        self.kv_scale, self.k_scale, self.v_scale = [None] * L, [None] * L, [None] * L
         if shape.mla:
-            whole = torch.zeros((shape.n_layers, S, shape.k_dim), dtype=dtype, device=device)
-            self.kv, self.k, self.v = [None] * shape.n_layers, list(whole), [None] * shape.n_layers
+            whole = torch.zeros((L, S, shape.k_dim), dtype=store, device=device)
+            self.kv, self.k, self.v = [None] * L, list(whole), [None] * L
+            if shape.fp8:
+                self.k_scale = list(torch.zeros((L, S), dtype=torch.float32, device=device))
         else:
-            whole = torch.zeros((shape.n_layers, S, 2, shape.kv_heads, shape.k_dim), dtype=dtype, device=device)
+            whole = torch.zeros((L, S, 2, shape.kv_heads, shape.k_dim), dtype=store, device=device)
             self.kv = list(whole)
             self.k, self.v = [w[:, 0] for w in whole], [w[:, 1] for w in whole]
+            if shape.fp8:
+                self.kv_scale = list(torch.zeros((L, S, 2, shape.kv_heads), dtype=torch.float32, device=device))
+                self.k_scale, self.v_scale = [s[:, 0] for s in self.kv_scale], [s[:, 1] for s in self.kv_scale]
+
+    def context_kv(self, layer: int, slots_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MHA/GQA: the K and V rows [K, G, D] of these slots in the model's dtype (prefill's context)."""
+        if not self.shape.fp8:
+            return self.k[layer][slots_K], self.v[layer][slots_K]
+        kv_K2GD = dequantize_rows(self.kv[layer][slots_K], self.kv_scale[layer][slots_K], self.dtype)
+        return kv_K2GD[:, 0], kv_K2GD[:, 1]
+
+    def context_latent(self, layer: int, slots_K: torch.Tensor) -> torch.Tensor:
+        """MLA: the latent rows [K, C + R] of these slots in the model's dtype (prefill's context)."""
+        if not self.shape.fp8:
+            return self.k[layer][slots_K]
+        return dequantize_rows(self.k[layer][slots_K], self.k_scale[layer][slots_K], self.dtype)
 
 
 class BlockPool:

@@ -68,6 +68,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
     e.add_argument("--num-kv-blocks", type=int, help="exact KV pool size in blocks (overrides the memory rule)")
     e.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib,
                    help=f"CPU only: memory for the KV cache (default {d.kv_cache_gib})")
+    e.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8"],
+                   help="auto (default): the KV cache in the model's dtype; fp8: e4m3 with one fp32 scale per token "
+                   "row, ~1.9-2x the tokens (GPUs of compute capability 8.9+, or CPU; docs/inference.md)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     sp = p.add_argument_group("speculative decoding (exact: greedy outputs are plain greedy's, sampled outputs keep "
@@ -165,7 +168,7 @@ def engine_config(ns: argparse.Namespace):
 
     cfg = EngineConfig(block_size=ns.block_size, max_num_seqs=ns.max_num_seqs, max_batched_tokens=ns.max_batched_tokens,
                        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization,
-                       num_kv_blocks=ns.num_kv_blocks, kv_cache_gib=ns.kv_cache_gib,
+                       num_kv_blocks=ns.num_kv_blocks, kv_cache_gib=ns.kv_cache_gib, kv_cache_dtype=ns.kv_cache_dtype,
                        enable_prefix_caching=not ns.no_prefix_caching, enforce_eager=ns.enforce_eager, seed=ns.seed,
                        speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
                        ngram_min=ns.ngram_min, ngram_max=ns.ngram_max)
@@ -431,6 +434,7 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     """Load the weights (this rank's tp share), size the cache, capture graphs: the replica's Engine."""
     import torch
 
+    from paraseek.infer import kv_fp8
     from paraseek.infer.engine import Engine
     from paraseek.infer.load import load_model
     from paraseek.infer.model import InferenceModel
@@ -442,6 +446,9 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     dtype = {"auto": platform.dtype, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float32": torch.float32}[ns.dtype]
     platform.check_dtype(dtype)
+    kv_refusal = kv_fp8.refusal(ns.kv_cache_dtype, pl.device)
+    if kv_refusal:  # before any weight is read (the engine checks again)
+        raise UserError(kv_refusal)
     fp8, block, why = weight_format(getattr(ns, "quantization", "auto"), src, pl.device)
     t0 = time.perf_counter()
     check_speculative(ns, src)
@@ -484,7 +491,8 @@ def planned_kv_tokens(engine) -> int | None:
     cluster = dc.replace(make_cluster(spec.name, engine.tp, gpus_per_node=engine.tp), memory_gib=total)
     cfg = engine.cfg
     rows = [r for r in plan_inference(engine.args, cluster, engine.max_model_len, None, "bf16",
-                                      cfg.gpu_memory_utilization, cfg.max_batched_tokens, cfg.max_num_seqs)
+                                      cfg.gpu_memory_utilization, cfg.max_batched_tokens, cfg.max_num_seqs,
+                                      kv_cache_dtype=cfg.kv_cache_dtype)
             if r.tp == engine.tp and not r.reason]
     return rows[0].max_context if rows else None
 

@@ -46,6 +46,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # of the GPU's memory, for weights + workspace + graphs + KV cache
     num_kv_blocks: int | None = None  # exact pool size (tests, reproducible capacity); overrides the memory rule
     kv_cache_gib: float = 1.0  # CPU only: memory for the KV cache (the CPU has no free-memory measurement)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: e4m3 rows with fp32 scales (infer/kv_fp8.py)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0
@@ -82,6 +83,8 @@ class EngineConfig:
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 2, f"--num-kv-blocks must be >= 2, got {self.num_kv_blocks}"),
             (self.kv_cache_gib > 0, f"--kv-cache-gib must be positive, got {self.kv_cache_gib}"),
+            (self.kv_cache_dtype in ("auto", "fp8"),
+             f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}"),
             (self.max_loras >= 0, f"--max-loras must be >= 1, got {self.max_loras}"),
             (self.max_lora_rank >= 1, f"--max-lora-rank must be >= 1, got {self.max_lora_rank}"),
         ]

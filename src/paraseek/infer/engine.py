@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from paraseek.errors import UserError
-from paraseek.infer import attention, ops
+from paraseek.infer import attention, kv_fp8, ops
 from paraseek.infer.cache import BlockPool, CacheShape
 from paraseek.infer.config import ALLOCATOR_FRACTION, EngineConfig
 from paraseek.infer.model import InferenceModel
@@ -50,6 +50,11 @@ class CacheReport:
         out = (f"KV cache: {self.num_blocks - 1:,} blocks = {self.tokens:,} tokens = {seqs:,.1f} sequences of "
                f"{self.max_model_len:,} tokens ({self.bytes_per_token:,} B/token, "
                f"{self.tokens * self.bytes_per_token / GiB:.2f} GiB)")
+        if "model_dtype_tokens" in self.extra:  # an fp8 cache: beside what the model's dtype would hold
+            other = self.extra["model_dtype_bytes_per_token"]
+            out += (f"; fp8 e4m3 + scales: {other / self.bytes_per_token:.2f}x the tokens of "
+                    f"{self.extra['model_dtype']} ({other:,} B/token: {self.extra['model_dtype_tokens']:,} tokens in "
+                    f"the same memory)")
         planned, measured = self.extra.get("planned_tokens"), self.extra.get("memory_tokens")
         if planned and measured:
             out += f"; plan --mode infer: {planned:,} tokens ({(planned - measured) / measured:+.1%})"
@@ -131,7 +136,10 @@ class Engine:
             log(f"speculative decoding: {cfg.speculative}, {cfg.spec_tokens} draft token(s) a step"
                 + (f", n-grams of {cfg.ngram_range[0]}..{cfg.ngram_range[1]} tokens" if cfg.speculative == "ngram"
                    else ", steps eager (the drafter reads the target's hidden states)"))
-        self.shape = CacheShape.of(self.args, self.tp, mtp_layers=int(mtp))
+        refusal = kv_fp8.refusal(cfg.kv_cache_dtype, self.device)
+        if refusal:
+            raise UserError(refusal)
+        self.shape = CacheShape.of(self.args, self.tp, mtp_layers=int(mtp), fp8=cfg.kv_cache_dtype == "fp8")
         # The MTP drafter reads every target step's hidden states: its engine's steps run eagerly.
         self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager and not mtp
         self.report = self._size_cache()
@@ -174,10 +182,12 @@ class Engine:
         block_bytes = per_token * cfg.block_size
         useful = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size) + 1  # more could never be used
         rep = CacheReport(0, cfg.block_size, per_token, self.max_model_len)
+        pool_bytes = None  # the memory the pool may take (None: --num-kv-blocks sets it)
         if cfg.num_kv_blocks is not None:
             rep.num_blocks = cfg.num_kv_blocks
         elif self.device.type != "cuda":
-            rep.num_blocks = min(useful, max(2, int(cfg.kv_cache_gib * GiB // block_bytes) + 1))
+            pool_bytes = cfg.kv_cache_gib * GiB
+            rep.num_blocks = min(useful, max(2, int(pool_bytes // block_bytes) + 1))
         else:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -201,12 +211,18 @@ class Engine:
                     f"-token step ({(peak - weights) / GiB:.1f} GiB) use the {cfg.gpu_memory_utilization:.0%} of "
                     f"{total / GiB:.0f} GiB allowed; raise --gpu-memory-utilization, lower --max-batched-tokens, or "
                     f"use more GPUs (--tp)")
+            pool_bytes = budget
             rep.num_blocks = min(useful, int(budget // block_bytes) + 1)
             rep.weights_gib, rep.peak_gib, rep.total_gib = weights / GiB, peak / GiB, total / GiB
             rep.extra["non_torch_gib"] = non_torch / GiB
             rep.extra["prefill_workspace_gib"], rep.extra["decode_workspace_gib"] = prefill_ws / GiB, decode_ws / GiB
             rep.extra["memory_tokens"] = int(budget // per_token)  # before the cap at what max_num_seqs can use
             rep.extra["allocator_fraction"] = max(0.05, cfg.gpu_memory_utilization - non_torch / total)
+        if self.shape.fp8 and pool_bytes is not None:  # the same memory as a cache in the model's dtype
+            other = dataclasses.replace(self.shape, fp8=False).bytes_per_token(self.runner.dtype)
+            rep.extra["model_dtype_tokens"] = int(pool_bytes // (other * cfg.block_size)) * cfg.block_size
+            rep.extra["model_dtype_bytes_per_token"] = other
+            rep.extra["model_dtype"] = str(self.runner.dtype).removeprefix("torch.")
         if self.tp_group is not None and self.tp > 1:
             n = torch.tensor([rep.num_blocks], dtype=torch.int64)
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.meta_group)

@@ -46,6 +46,12 @@ the online softmax (Milakov & Gimelshein 2018: a running max and sum, rescaling 
   were 4-9% faster at large batch but 1.3x (GQA) and 1.5x (MLA) slower at B=1 x 4K; partitions of 128 were 3-17%
   slower at large batch and faster only for MLA at B=1 x 4K (25 us): 256 is the compromise.
 
+  FP8 caches (infer/kv_fp8.py: e4m3 rows, one fp32 scale each; KV_FP8=True): the same programs load e4m3 tiles,
+  widen them exactly to q's dtype in registers, and fold each row's scale into its scores (q.(k_q s) = s (q.k_q))
+  and into P for the P.V product (sum_t p_t s_t v_q,t; the running sum l stays unscaled), so nothing is dequantized
+  in memory; tiles are sized as for a cache in q's dtype. The write kernels (rope_write_kv_, mla_prepare_) quantize
+  each row as kv_fp8.quantize_rows does, with IEEE division (tl.math.div_rn).
+
   Short contexts (at most SHORT_CONTEXT = 512 tokens) use partitions of SHORT_PARTITION = 64 tokens instead,
   still a function of ctx alone, for GQA and MLA alike (MLA at batch 1 over 128 + 256 tokens: two 256-token
   partitions took 22 us a layer on DeepSeek-V2-Lite's shape, one program per partition). Measured on the 8B shape (32 layers, H=32 G=8 D=128), CUDA-graph replays
@@ -62,6 +68,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from paraseek.infer import kv_fp8
 
 
 def _interpreter_numpy_compat() -> None:
@@ -84,8 +92,37 @@ def _interpreter_numpy_compat() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpreter_e4m3_rounding() -> None:
+    """Triton 3.6's interpreter rounds fp32 -> e4m3 half up and drops the carry into the exponent (127.9 -> 64,
+    100 -> 104, 1000 -> 256); the GPU's cvt.rn.satfinite rounds to nearest even and saturates at 448, as torch's
+    conversion does. Convert fp32 -> e4m3 with torch instead. Only under TRITON_INTERPRET=1 (the CPU test path)."""
+    try:
+        from triton.runtime import interpreter
+        convert = interpreter._convert_float
+    except (ImportError, AttributeError):
+        return
+    if getattr(convert, "_e4m3_by_torch", False):
+        return
+
+    def patched(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype == tl.float8e4nv and input_dtype == tl.float32:
+            import numpy as np
+
+            x = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32))
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    patched._e4m3_by_torch = True
+    interpreter._convert_float = patched
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_numpy_compat()
+    _interpreter_e4m3_rounding()
+
+# The FP8 KV cache's quantization constants (infer/kv_fp8.py), as compile-time constants of the write kernels.
+KV_SCALE_FLOOR = tl.constexpr(kv_fp8.SCALE_FLOOR)
+KV_E4M3_MAX = tl.constexpr(kv_fp8.E4M3_MAX)
 
 # Paged-decode partitioning (see the module docstring for why these values).
 PARTITION = 256  # tokens per partition up to MAX_PARTITIONS * PARTITION tokens of context
@@ -246,9 +283,9 @@ def rope_(x_NHR: torch.Tensor, cos_PR: torch.Tensor, sin_PR: torch.Tensor, posit
 
 
 @triton.jit
-def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kv_ptr, stride_n, stride_cp, stride_sp,
-                          stride_ks, stride_k2, stride_kg, H, G, HALF,
-                          BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kv_ptr, scale_ptr, stride_n, stride_cp,
+                          stride_sp, stride_ks, stride_k2, stride_kg, stride_ss, stride_s2, H, G, HALF,
+                          KV_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # Heads of one token: [0, H) queries, [H, H + G) keys, [H + G, H + 2G) values, each D = 2 * HALF wide.
     # Queries and keys are rotated (half-split) and stored back; keys and values also go to the token's cache slot.
     n = tl.program_id(0).to(tl.int64)
@@ -271,19 +308,37 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kv_ptr, 
     slot = tl.load(slot_ptr + n).to(tl.int64)
     is_v = h >= H + G
     g = tl.where(is_v, h - H - G, h - H).to(tl.int64)
-    dst = kv_ptr + slot * stride_ks + tl.where(is_v, 1, 0).to(tl.int64)[:, None] * stride_k2 + g[:, None] * stride_kg
+    kv_half = tl.where(is_v, 1, 0).to(tl.int64)
+    dst = kv_ptr + slot * stride_ks + kv_half[:, None] * stride_k2 + g[:, None] * stride_kg
     to_cache = valid & (h >= H)[:, None]
-    tl.store(dst + j[None, :], o1.to(kv_ptr.dtype.element_ty), mask=to_cache)
-    tl.store(dst + HALF + j[None, :], o2.to(kv_ptr.dtype.element_ty), mask=to_cache)
+    if KV_FP8:
+        # Each cache head's row (its D values, in the projection's dtype) quantized with one scale, as
+        # kv_fp8.quantize_rows: s = max(amax, floor) / 448, x / s rounded to e4m3 (div_rn: IEEE division, as
+        # torch's; Triton's `/` is approximate in fp32).
+        a1 = o1.to(tl.float32)
+        a2 = o2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(a1), axis=1), tl.max(tl.abs(a2), axis=1))
+        s_h = tl.math.div_rn(tl.maximum(amax, KV_SCALE_FLOOR), tl.full([BLOCK_H], KV_E4M3_MAX, tl.float32))
+        s_hj = tl.broadcast_to(s_h[:, None], (BLOCK_H, BLOCK_HALF))
+        tl.store(dst + j[None, :], tl.math.div_rn(a1, s_hj).to(kv_ptr.dtype.element_ty), mask=to_cache)
+        tl.store(dst + HALF + j[None, :], tl.math.div_rn(a2, s_hj).to(kv_ptr.dtype.element_ty), mask=to_cache)
+        tl.store(scale_ptr + slot * stride_ss + kv_half * stride_s2 + g, s_h, mask=(h >= H) & (h < H + 2 * G))
+    else:
+        tl.store(dst + j[None, :], o1.to(kv_ptr.dtype.element_ty), mask=to_cache)
+        tl.store(dst + HALF + j[None, :], o2.to(kv_ptr.dtype.element_ty), mask=to_cache)
 
 
 def rope_write_kv_(qkv_NX: torch.Tensor, n_heads: int, n_kv_heads: int, cos_PR: torch.Tensor, sin_PR: torch.Tensor,
-                   positions_N: torch.Tensor, slots_N: torch.Tensor, kv_S2GD: torch.Tensor) -> None:
+                   positions_N: torch.Tensor, slots_N: torch.Tensor, kv_S2GD: torch.Tensor,
+                   kv_scale_S2G: torch.Tensor | None = None) -> None:
     N, X = qkv_NX.shape
     H, G = n_heads, n_kv_heads
     D = X // (H + 2 * G)
     if qkv_NX.stride(-1) != 1 or D % 2 or kv_S2GD.stride(-1) != 1:
         raise ValueError("rope_write_kv_: the projection and the cache need a contiguous last dim, D even")
+    fp8 = kv_scale_S2G is not None
+    if fp8 and kv_scale_S2G.stride(-1) != 1:
+        raise ValueError("rope_write_kv_: the scales need a contiguous last dim")
     if N == 0:
         return None
     cos_PR = cos_PR if cos_PR.stride(-1) == 1 else cos_PR.contiguous()
@@ -292,17 +347,19 @@ def rope_write_kv_(qkv_NX: torch.Tensor, n_heads: int, n_kv_heads: int, cos_PR: 
     block_half = _pow2(half)
     block_h = min(_pow2(H + 2 * G), max(1, 2048 // block_half))
     warps = 4 if block_h * block_half >= 1024 else (2 if block_h * block_half >= 256 else 1)
+    scale = kv_scale_S2G if fp8 else kv_S2GD  # unused without fp8
     _rope_write_kv_kernel[(N, triton.cdiv(H + 2 * G, block_h))](
-        qkv_NX, cos_PR, sin_PR, positions_N, slots_N, kv_S2GD, qkv_NX.stride(0), cos_PR.stride(0), sin_PR.stride(0),
-        kv_S2GD.stride(0), kv_S2GD.stride(1), kv_S2GD.stride(2), H, G, half,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=warps)
+        qkv_NX, cos_PR, sin_PR, positions_N, slots_N, kv_S2GD, scale, qkv_NX.stride(0), cos_PR.stride(0),
+        sin_PR.stride(0), kv_S2GD.stride(0), kv_S2GD.stride(1), kv_S2GD.stride(2),
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, H, G, half,
+        KV_FP8=fp8, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=warps)
     return None
 
 
 @triton.jit
-def _mla_prepare_kernel(q_ptr, kva_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, c_ptr,
+def _mla_prepare_kernel(q_ptr, kva_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, c_ptr, scale_ptr,
                         stride_qn, stride_qh, stride_kn, stride_cp, stride_sp, stride_cs, H, C, HALF, eps,
-                        INTERLEAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                        INTERLEAVE: tl.constexpr, KV_FP8: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_HALF: tl.constexpr):
     # One token: its latent normalized (as _rms_norm_kernel: fp32, rounded to the input's dtype, then the weight),
     # its rope key and all H query rope parts rotated (as _rope_kernel), the cache row written.
@@ -315,7 +372,8 @@ def _mla_prepare_kernel(q_ptr, kva_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
     rstd = tl.rsqrt(tl.sum(x32_C * x32_C, axis=0) / C + eps)
     w_C = tl.load(w_ptr + offs_C, mask=mask_C, other=0.0).to(tl.float32)
     lat_C = w_C * (x32_C * rstd).to(x_C.dtype).to(tl.float32)
-    tl.store(c_ptr + slot * stride_cs + offs_C, lat_C.to(c_ptr.dtype.element_ty), mask=mask_C)
+    if not KV_FP8:
+        tl.store(c_ptr + slot * stride_cs + offs_C, lat_C.to(c_ptr.dtype.element_ty), mask=mask_C)
 
     pos = tl.load(pos_ptr + n).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -333,8 +391,25 @@ def _mla_prepare_kernel(q_ptr, kva_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
     k1 = tl.load(k_row + x1_off, mask=mask_j, other=0.0).to(tl.float32)
     k2 = tl.load(k_row + x2_off, mask=mask_j, other=0.0).to(tl.float32)
     c_row = c_ptr + slot * stride_cs + C
-    tl.store(c_row + j, (k1 * cos_J - k2 * sin_J).to(c_ptr.dtype.element_ty), mask=mask_j)
-    tl.store(c_row + HALF + j, (k2 * cos_J + k1 * sin_J).to(c_ptr.dtype.element_ty), mask=mask_j)
+    if KV_FP8:
+        # The row [latent | rope key] rounded to kv_a's dtype (the values a cache in the model's dtype would hold),
+        # then quantized with one scale, as kv_fp8.quantize_rows (IEEE division, as torch's).
+        lat_C = lat_C.to(x_C.dtype).to(tl.float32)
+        r1 = (k1 * cos_J - k2 * sin_J).to(x_C.dtype).to(tl.float32)
+        r2 = (k2 * cos_J + k1 * sin_J).to(x_C.dtype).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(lat_C), axis=0), tl.maximum(tl.max(tl.abs(r1), axis=0),
+                                                                   tl.max(tl.abs(r2), axis=0)))
+        s = tl.math.div_rn(tl.maximum(amax, KV_SCALE_FLOOR), KV_E4M3_MAX)
+        s_C = s + tl.zeros([BLOCK_C], tl.float32)
+        s_J = s + tl.zeros([BLOCK_HALF], tl.float32)
+        tl.store(c_ptr + slot * stride_cs + offs_C, tl.math.div_rn(lat_C, s_C).to(c_ptr.dtype.element_ty),
+                 mask=mask_C)
+        tl.store(c_row + j, tl.math.div_rn(r1, s_J).to(c_ptr.dtype.element_ty), mask=mask_j)
+        tl.store(c_row + HALF + j, tl.math.div_rn(r2, s_J).to(c_ptr.dtype.element_ty), mask=mask_j)
+        tl.store(scale_ptr + slot, s)
+    else:
+        tl.store(c_row + j, (k1 * cos_J - k2 * sin_J).to(c_ptr.dtype.element_ty), mask=mask_j)
+        tl.store(c_row + HALF + j, (k2 * cos_J + k1 * sin_J).to(c_ptr.dtype.element_ty), mask=mask_j)
 
     # The queries' rope parts, in place, in tiles of heads.
     for h0 in range(0, H, BLOCK_H):
@@ -352,7 +427,7 @@ def _mla_prepare_kernel(q_ptr, kva_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
 
 def mla_prepare_(q_pe_NHR: torch.Tensor, kv_a_NX: torch.Tensor, w_C: torch.Tensor, eps: float, cos_PR: torch.Tensor,
                  sin_PR: torch.Tensor, positions_N: torch.Tensor, slots_N: torch.Tensor, c_SX: torch.Tensor,
-                 interleave: bool) -> None:
+                 interleave: bool, c_scale_S: torch.Tensor | None = None) -> None:
     N, H, R = q_pe_NHR.shape
     C = w_C.shape[0]
     if R % 2 or q_pe_NHR.stride(-1) != 1 or kv_a_NX.stride(-1) != 1 or c_SX.stride(-1) != 1:
@@ -367,11 +442,14 @@ def mla_prepare_(q_pe_NHR: torch.Tensor, kv_a_NX: torch.Tensor, w_C: torch.Tenso
     half = R // 2
     block_half = _pow2(half)
     block_h = min(_pow2(H), max(1, 2048 // block_half))
+    fp8 = c_scale_S is not None
+    if fp8 and c_scale_S.stride(0) != 1:
+        raise ValueError("mla_prepare_: the scales must be contiguous")
     _mla_prepare_kernel[(N,)](
-        q_pe_NHR, kv_a_NX, w_C, cos_PR, sin_PR, positions_N, slots_N, c_SX,
+        q_pe_NHR, kv_a_NX, w_C, cos_PR, sin_PR, positions_N, slots_N, c_SX, c_scale_S if fp8 else c_SX,
         q_pe_NHR.stride(0), q_pe_NHR.stride(1), kv_a_NX.stride(0), cos_PR.stride(0), sin_PR.stride(0), c_SX.stride(0),
-        H, C, half, eps, INTERLEAVE=bool(interleave), BLOCK_C=_pow2(C), BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=4)
+        H, C, half, eps, INTERLEAVE=bool(interleave), KV_FP8=fp8, BLOCK_C=_pow2(C), BLOCK_H=block_h,
+        BLOCK_HALF=block_half, num_warps=4)
     return None
 
 
@@ -387,13 +465,13 @@ def _partition_len(ctx, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr, S
 
 @triton.jit
 def _gqa_partition_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
-        stride_qb, stride_qh, stride_ks, stride_kg, stride_vs, stride_vg, stride_btb,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+        stride_qb, stride_qh, stride_ks, stride_kg, stride_vs, stride_vg, stride_kss, stride_vss, stride_btb,
         stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
         qk_scale, QH, D,
         HEAD_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr,
         SHORT_PARTITION: tl.constexpr, SHORT_CONTEXT: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
+        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1) // HEAD_TILES  # kv head
     tile = tl.program_id(1) % HEAD_TILES  # tile of its query heads (one tile unless the group exceeds BLOCK_QH)
@@ -427,14 +505,25 @@ def _gqa_partition_kernel(
         slot_t = block_t.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE
         mask_td = mask_t[:, None] & mask_d[None, :]
         k_td = tl.load(k_base + slot_t[:, None] * stride_ks + offs_d[None, :], mask=mask_td, other=0.0)
-        s_ht = tl.dot(q_hd, tl.trans(k_td), input_precision=DOT_PREC) * qk_scale
+        if KV_FP8:
+            # e4m3 widens exactly to q's dtype; the row's scale multiplies its score (q.(k_q s) = s (q.k_q)).
+            ks_t = tl.load(ks_ptr + slot_t * stride_kss + g, mask=mask_t, other=0.0)
+            s_ht = tl.dot(q_hd, tl.trans(k_td.to(q_hd.dtype)), input_precision=DOT_PREC) * (ks_t * qk_scale)[None, :]
+        else:
+            s_ht = tl.dot(q_hd, tl.trans(k_td), input_precision=DOT_PREC) * qk_scale
         s_ht = tl.where(mask_t[None, :], s_ht, float("-inf"))
         m_new_h = tl.maximum(m_h, tl.max(s_ht, axis=1))
         alpha_h = tl.exp2(m_h - m_new_h)
         p_ht = tl.exp2(s_ht - m_new_h[:, None])
         l_h = l_h * alpha_h + tl.sum(p_ht, axis=1)
         v_td = tl.load(v_base + slot_t[:, None] * stride_vs + offs_d[None, :], mask=mask_td, other=0.0)
-        acc_hd = acc_hd * alpha_h[:, None] + tl.dot(p_ht.to(v_td.dtype), v_td, input_precision=DOT_PREC)
+        if KV_FP8:
+            # sum_t p_t (v_q,t s_t) = sum_t (p_t s_t) v_q,t: the value scales go into P (rounded to q's dtype, as P is).
+            vs_t = tl.load(vs_ptr + slot_t * stride_vss + g, mask=mask_t, other=0.0)
+            pv_hd = tl.dot((p_ht * vs_t[None, :]).to(q_hd.dtype), v_td.to(q_hd.dtype), input_precision=DOT_PREC)
+        else:
+            pv_hd = tl.dot(p_ht.to(v_td.dtype), v_td, input_precision=DOT_PREC)
+        acc_hd = acc_hd * alpha_h[:, None] + pv_hd
         m_h = m_new_h
 
     o_hd = acc_hd / l_h[:, None]
@@ -449,13 +538,13 @@ def _gqa_partition_kernel(
 
 @triton.jit
 def _mla_partition_kernel(
-        ql_ptr, qp_ptr, c_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
+        ql_ptr, qp_ptr, c_ptr, cs_ptr, bt_ptr, ctx_ptr, o_ptr, lse_ptr,
         stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cs, stride_btb,
         stride_ob, stride_oh, stride_op, stride_lb, stride_lh,
         qk_scale, H, C, R,
         BLOCK_SIZE: tl.constexpr, PARTITION: tl.constexpr, MAX_PARTITIONS: tl.constexpr,
         SHORT_PARTITION: tl.constexpr, SHORT_CONTEXT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr):
+        DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, KV_FP8: tl.constexpr):
     b = tl.program_id(0)
     part = tl.program_id(2)
 
@@ -485,17 +574,29 @@ def _mla_partition_kernel(
         offs_t = n0 + tl.arange(0, BLOCK_N)
         mask_t = offs_t < end
         block_t = tl.load(bt_row + offs_t // BLOCK_SIZE, mask=mask_t, other=0)
-        row_t = c_ptr + (block_t.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE) * stride_cs
+        slot_t = block_t.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE
+        row_t = c_ptr + slot_t * stride_cs
         # The latent is both the key's first C dims and the value: loaded once, used by both products.
         c_tc = tl.load(row_t[:, None] + offs_c[None, :], mask=mask_t[:, None] & mask_c[None, :], other=0.0)
         pe_tr = tl.load(row_t[:, None] + C + offs_r[None, :], mask=mask_t[:, None] & mask_r[None, :], other=0.0)
+        if KV_FP8:
+            # e4m3 widens exactly to q's dtype; the row's one scale multiplies its score and, in P, its value.
+            cs_t = tl.load(cs_ptr + slot_t, mask=mask_t, other=0.0)
+            c_tc = c_tc.to(ql_hc.dtype)
+            pe_tr = pe_tr.to(qp_hr.dtype)
         s_ht = tl.dot(ql_hc, tl.trans(c_tc), input_precision=DOT_PREC)
-        s_ht = tl.dot(qp_hr, tl.trans(pe_tr), s_ht, input_precision=DOT_PREC) * qk_scale
+        s_ht = tl.dot(qp_hr, tl.trans(pe_tr), s_ht, input_precision=DOT_PREC)
+        if KV_FP8:
+            s_ht = s_ht * (cs_t * qk_scale)[None, :]
+        else:
+            s_ht = s_ht * qk_scale
         s_ht = tl.where(mask_t[None, :], s_ht, float("-inf"))
         m_new_h = tl.maximum(m_h, tl.max(s_ht, axis=1))
         alpha_h = tl.exp2(m_h - m_new_h)
         p_ht = tl.exp2(s_ht - m_new_h[:, None])
         l_h = l_h * alpha_h + tl.sum(p_ht, axis=1)
+        if KV_FP8:
+            p_ht = p_ht * cs_t[None, :]  # only the numerator: l_h sums the unscaled probabilities
         acc_hc = acc_hc * alpha_h[:, None] + tl.dot(p_ht.to(c_tc.dtype), c_tc, input_precision=DOT_PREC)
         m_h = m_new_h
 
@@ -598,13 +699,17 @@ def _mla_config(H: int, block_c: int, itemsize: int) -> dict:
 
 
 def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, block_tables_BM: torch.Tensor,
-                     context_lens_B: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                     context_lens_B: torch.Tensor, block_size: int, scale: float,
+                     k_scale_SG: torch.Tensor | None = None, v_scale_SG: torch.Tensor | None = None) -> torch.Tensor:
     _check_block_size(block_size)
     B, H, D = q_BHD.shape
     G = k_SGD.shape[1]
     if H % G:
         raise ValueError(f"paged_decode_gqa: {H} query heads are not a multiple of {G} kv heads")
     QH = H // G
+    fp8 = k_scale_SG is not None
+    if fp8 and (v_scale_SG is None or k_scale_SG.stride(1) != 1 or v_scale_SG.stride(1) != 1):
+        raise ValueError("paged_decode_gqa: an fp8 cache needs K and V scales [S, G] with a contiguous last dim")
     q_BHD, k_SGD, v_SGD = (_last_dim_contiguous(t) for t in (q_BHD, k_SGD, v_SGD))
     block_tables_BM = _last_dim_contiguous(block_tables_BM)
     context_lens_B = context_lens_B.contiguous()
@@ -615,7 +720,7 @@ def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tens
     block_qh = min(max(16, _pow2(QH)), 64)  # tl.dot needs >= 16 rows; larger groups take several tiles
     head_tiles = triton.cdiv(QH, block_qh)
     block_d = max(16, _pow2(D))
-    cfg = _gqa_config(block_d, k_SGD.element_size())
+    cfg = _gqa_config(block_d, q_BHD.element_size())  # e4m3 tiles are widened to q's dtype in registers
     n_parts = _num_partitions(block_tables_BM, block_size, gqa=True)
     direct = n_parts == 1
     if direct:
@@ -627,25 +732,31 @@ def paged_decode_gqa(q_BHD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tens
         lse = torch.empty((B, H, n_parts), device=q_BHD.device, dtype=torch.float32)
         strides_o = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
         strides_l = (lse.stride(0), lse.stride(1))
+    ks, vs = (k_scale_SG, v_scale_SG) if fp8 else (k_SGD, v_SGD)  # unused without fp8
     _gqa_partition_kernel[(B, G * head_tiles, n_parts)](
-        q_BHD, k_SGD, v_SGD, block_tables_BM, context_lens_B, o_part, lse,
+        q_BHD, k_SGD, v_SGD, ks, vs, block_tables_BM, context_lens_B, o_part, lse,
         q_BHD.stride(0), q_BHD.stride(1), k_SGD.stride(0), k_SGD.stride(1), v_SGD.stride(0), v_SGD.stride(1),
+        ks.stride(0) if fp8 else 0, vs.stride(0) if fp8 else 0,
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, QH, D,
         HEAD_TILES=head_tiles, BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        SHORT_PARTITION=_short()[0], SHORT_CONTEXT=_short()[1], BLOCK_QH=block_qh, BLOCK_D=block_d, DIRECT=direct, DOT_PREC=_dot_precision(q_BHD.dtype), **cfg)
+        SHORT_PARTITION=_short()[0], SHORT_CONTEXT=_short()[1], BLOCK_QH=block_qh, BLOCK_D=block_d, DIRECT=direct, DOT_PREC=_dot_precision(q_BHD.dtype), KV_FP8=fp8, **cfg)
     if not direct:
         _combine(o_part, lse, context_lens_B, out_BHD, gqa=True)
     return out_BHD
 
 
 def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torch.Tensor, block_tables_BM: torch.Tensor,
-                     context_lens_B: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                     context_lens_B: torch.Tensor, block_size: int, scale: float,
+                     c_scale_S: torch.Tensor | None = None) -> torch.Tensor:
     _check_block_size(block_size)
     B, H, C = q_lat_BHC.shape
     R = q_pe_BHR.shape[-1]
     if c_SX.shape[-1] != C + R:
         raise ValueError(f"paged_decode_mla: cache rows are {c_SX.shape[-1]} wide, expected C + R = {C + R}")
+    fp8 = c_scale_S is not None
+    if fp8 and c_scale_S.stride(0) != 1:
+        raise ValueError("paged_decode_mla: the scales must be contiguous")
     q_lat_BHC, q_pe_BHR, c_SX = (_last_dim_contiguous(t) for t in (q_lat_BHC, q_pe_BHR, c_SX))
     block_tables_BM = _last_dim_contiguous(block_tables_BM)
     context_lens_B = context_lens_B.contiguous()
@@ -655,7 +766,8 @@ def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torc
 
     block_c = max(16, _pow2(C))
     block_r = max(16, _pow2(R))
-    cfg = _mla_config(H, block_c, c_SX.element_size())
+    # The tiles as for a cache in q's dtype: an e4m3 tile is widened to q's dtype in registers.
+    cfg = _mla_config(H, block_c, q_lat_BHC.element_size())
     n_parts = _num_partitions(block_tables_BM, block_size, gqa=False)
     direct = n_parts == 1
     if direct:
@@ -668,12 +780,12 @@ def paged_decode_mla(q_lat_BHC: torch.Tensor, q_pe_BHR: torch.Tensor, c_SX: torc
         strides_o = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
         strides_l = (lse.stride(0), lse.stride(1))
     _mla_partition_kernel[(B, triton.cdiv(H, cfg["BLOCK_H"]), n_parts)](
-        q_lat_BHC, q_pe_BHR, c_SX, block_tables_BM, context_lens_B, o_part, lse,
+        q_lat_BHC, q_pe_BHR, c_SX, c_scale_S if fp8 else c_SX, block_tables_BM, context_lens_B, o_part, lse,
         q_lat_BHC.stride(0), q_lat_BHC.stride(1), q_pe_BHR.stride(0), q_pe_BHR.stride(1), c_SX.stride(0),
         block_tables_BM.stride(0), *strides_o, *strides_l,
         float(scale) * LOG2E, H, C, R,
         BLOCK_SIZE=block_size, PARTITION=PARTITION, MAX_PARTITIONS=MAX_PARTITIONS,
-        SHORT_PARTITION=_short()[0], SHORT_CONTEXT=_short()[1], BLOCK_C=block_c, BLOCK_R=block_r, DIRECT=direct, DOT_PREC=_dot_precision(q_lat_BHC.dtype), **cfg)
+        SHORT_PARTITION=_short()[0], SHORT_CONTEXT=_short()[1], BLOCK_C=block_c, BLOCK_R=block_r, DIRECT=direct, DOT_PREC=_dot_precision(q_lat_BHC.dtype), KV_FP8=fp8, **cfg)
     if not direct:
         _combine(o_part, lse, context_lens_B, out_BHC, gqa=False)
     return out_BHC

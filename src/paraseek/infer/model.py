@@ -100,18 +100,19 @@ class DenseAttention:
         qkv = self.qkv(h_NE)
         q_NHD = qkv[:, :H * D].view(N, H, D)
         # One launch rotates q and k in the fused output and writes k and v into the cache.
-        ops.rope_write_kv_(qkv, H, G, rope.cos_PR, rope.sin_PR, b.positions, b.slots, cache.kv[i])
-        k_SGD, v_SGD = cache.k[i], cache.v[i]
+        ops.rope_write_kv_(qkv, H, G, rope.cos_PR, rope.sin_PR, b.positions, b.slots, cache.kv[i], cache.kv_scale[i])
+        k_SGD, v_SGD, scales = cache.k[i], cache.v[i], (cache.k_scale[i], cache.v_scale[i])  # scales: fp8 only
         nd = b.n_decode
         if nd == N:  # decode-only (every CUDA-graph step): the kernel's output is the attention output
             o_NHD = ops.paged_decode_gqa(q_NHD, k_SGD, v_SGD, b.block_tables, b.context_lens, cache.block_size,
-                                         self.scale)
+                                         self.scale, *scales)
             return self.o(o_NHD.view(N, H * D))
         o_NHD = q_NHD.new_empty((N, H, D))
         if nd:
             o_NHD[:nd] = ops.paged_decode_gqa(q_NHD[:nd], k_SGD, v_SGD, b.block_tables, b.context_lens,
-                                              cache.block_size, self.scale)
-        o_NHD[nd:] = prefill_attention(q_NHD[nd:], k_SGD[b.k_slots], v_SGD[b.k_slots], b.cu_q, b.cu_k,
+                                              cache.block_size, self.scale, *scales)
+        k_KGD, v_KGD = cache.context_kv(i, b.k_slots)
+        o_NHD[nd:] = prefill_attention(q_NHD[nd:], k_KGD, v_KGD, b.cu_q, b.cu_k,
                                        max(q for q, _ in b.lens), max(k for _, k in b.lens), b.lens, self.scale)
         return self.o(o_NHD.view(N, H * D))
 
@@ -168,7 +169,7 @@ class LatentAttention:
         c_SX = cache.k[i]
         # RMSNorm of the latent, RoPE of the shared key and of the queries' rope part, the token's cache row.
         ops.mla_prepare_(q_pe_NHR, kv_a, self.kv_norm.w, self.kv_norm.eps, rope.cos_PR, rope.sin_PR, b.positions,
-                         b.slots, c_SX, self.interleave)
+                         b.slots, c_SX, self.interleave, cache.k_scale[i])
         o_NHV = h_NE.new_empty((N, H, Dv))
         nd = b.n_decode
         if nd:
@@ -178,13 +179,13 @@ class LatentAttention:
             if self.kv_b_lora is not None:
                 self.kv_b_lora.absorb_q_(q_lat_HnC, q_NHX[:nd, :, :nope])
             o_lat_nHC = ops.paged_decode_mla(q_lat_HnC.transpose(0, 1), q_pe_NHR[:nd], c_SX, b.block_tables,
-                                             b.context_lens, cache.block_size, self.scale)
+                                             b.context_lens, cache.block_size, self.scale, cache.k_scale[i])
             o_NHV[:nd] = torch.bmm(o_lat_nHC.transpose(0, 1), self.w_uv_HCV).transpose(0, 1)
             if self.kv_b_lora is not None:
                 self.kv_b_lora.value_(o_NHV, o_lat_nHC)
         if nd < N:
             # Expanded (the training model's form): the context's latents through kv_b to per-head keys and values.
-            ctx_KX = c_SX[b.k_slots]
+            ctx_KX = cache.context_latent(i, b.k_slots)
             kv_KO = F.linear(ctx_KX[:, :C], self.kv_b_w)
             if self.kv_b_lora is not None:
                 kv_KO = self.kv_b_lora.expand_(kv_KO, ctx_KX[:, :C])

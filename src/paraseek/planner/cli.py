@@ -39,6 +39,8 @@ def register(subparsers) -> None:
                    "`paraseek serve` runs 256)")
     g.add_argument("--max-batched-tokens", type=int, help="the engine's --max-batched-tokens (default: 16384 where "
                    "--max-num-seqs defaults to 1024, else 8192)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], help="the engine's --kv-cache-dtype: auto "
+                   "(default; 2 bytes a value) or fp8 (e4m3 with one fp32 scale per token row, as the engine counts)")
     g.add_argument("--context-len", type=int, help="decode speed at this many tokens of context per sequence "
                    "(default: --seq-len)")
     g.add_argument("--batch-sizes", default="1,8,64,256", metavar="N,N,...",
@@ -130,7 +132,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         raise UserError(f"--global-batch-size must be positive, got {ns.global_batch_size}")
 
     infer_flags = ("max_num_seqs", "max_batched_tokens", "context_len", "prompt_len", "num_requests", "input_len",
-                   "output_len")
+                   "output_len", "kv_cache_dtype")
     if ns.mode == "train":
         given = [f"--{f.replace('_', '-')}" for f in infer_flags if getattr(ns, f) is not None]
         if given or ns.batch_sizes != "1,8,64,256":
@@ -213,7 +215,8 @@ def _run_infer(ns: argparse.Namespace, args, cluster) -> int:
                             f"needs up to {b_in + b_out:,} tokens per sequence, more than --seq-len {ns.seq_len:,}")
         workload = infer_speed.Workload(requests, (a_in, b_in), (a_out, b_out))
     rows = plan_inference(args, cluster, ns.seq_len, ns.global_batch_size, weight_dtype,
-                          max_batched_tokens=step_tokens, max_num_seqs=seqs)
+                          max_batched_tokens=step_tokens, max_num_seqs=seqs,
+                          kv_cache_dtype=ns.kv_cache_dtype or "auto")
     wb = WEIGHT_BYTES[weight_dtype]
     for r in rows:
         if r.max_batch >= 1:  # weights and one sequence fit (an asked batch that does not is reported)

@@ -9,8 +9,10 @@ attention output, the MLP's gate|up and its product; MoE: K routed copies of eac
 logits of max_num_seqs rows (a few copies: softmax, sort for top-p) -- and the rest is KV cache. KV cache per token
 per layer: 2 x n_kv_heads x head_dim (K and V, split over tp; replicated when tp > n_kv_heads) or, for MLA
 (DeepSeek-V2/V3), the compressed latent kv_lora_rank + the shared RoPE key qk_rope_head_dim (V2 paper sec. 2.1.2),
-which is not split by heads and so is held whole on every tp rank. Speed (decode steps, prefill, offline runs) is
-infer_speed.py's: the engine's kernels priced one by one at measured rates, its continuous batching replayed.
+which is not split by heads and so is held whole on every tp rank; 2 bytes a value, or with --kv-cache-dtype fp8 one
+byte plus a 4-byte scale per row (a token's latent, or one kv head's K or V). Speed (decode steps, prefill, offline
+runs) is infer_speed.py's: the engine's kernels priced one by one at measured rates, its continuous batching replayed
+(the decode kernels' cache reads priced at 2 bytes a value whatever the cache dtype: fp8 decode is not yet measured).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from paraseek.planner.plan import Cluster
 from paraseek.planner.search import divisors
 
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # fp16: GPUs without bf16 (V100, T4), `--dtype float16` to serve
+# The engine's --kv-cache-dtype: auto (the weights' 16-bit dtype) or fp8 (e4m3 values, one fp32 scale per cache row:
+# infer/kv_fp8.py's SCALE_BYTES, copied: the planner does not import the engine).
+KV_CACHE_DTYPES, KV_FP8_SCALE_BYTES = ("auto", "fp8"), 4
 # The engine's defaults (infer/engine.EngineConfig): the step's token budget, the decode batch, the memory share.
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION = 8192, 256, 0.9
 # `paraseek generate` and `bench-infer` (offline) on GPUs of at least 70 GiB other than A100: vLLM's offline
@@ -65,11 +70,17 @@ def engine_defaults(c: Cluster) -> tuple[int, int]:
     return MAX_NUM_SEQS, MAX_BATCHED_TOKENS
 
 
-def kv_bytes_per_token(a: ModelArgs, tp: int) -> float:
+def kv_bytes_per_token(a: ModelArgs, tp: int, kv_cache_dtype: str = "auto") -> float:
+    """One token's cache bytes on one tp rank, all layers. auto: bf16/fp16. fp8 (infer/kv_fp8.py's format): one e4m3
+    byte per value and one fp32 scale per row (MLA: the latent row; MHA/GQA: each kv head's K and each one's V)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    fp8 = kv_cache_dtype == "fp8"
     if a.is_mla:
-        return a.n_layers * BF16 * (a.kv_lora_rank + a.qk_rope_head_dim)
+        values = a.kv_lora_rank + a.qk_rope_head_dim
+        return a.n_layers * (values + KV_FP8_SCALE_BYTES if fp8 else BF16 * values)
     kv_heads = max(a.n_kv_heads / tp, 1)  # replicated when tp > kv heads
-    return a.n_layers * 2 * BF16 * kv_heads * a.head_dim
+    return a.n_layers * 2 * kv_heads * (a.head_dim + KV_FP8_SCALE_BYTES if fp8 else BF16 * a.head_dim)
 
 
 def step_workspace_bytes(a: ModelArgs, tp: int, max_batched_tokens: int = MAX_BATCHED_TOKENS,
@@ -110,7 +121,8 @@ def decode_workspace_bytes(a: ModelArgs, tp: int, max_num_seqs: int, seq_len: in
 
 def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = None,
                    weight_dtype: str = "bf16", gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
-                   max_batched_tokens: int = MAX_BATCHED_TOKENS, max_num_seqs: int = MAX_NUM_SEQS) -> list[InferPlan]:
+                   max_batched_tokens: int = MAX_BATCHED_TOKENS, max_num_seqs: int = MAX_NUM_SEQS,
+                   kv_cache_dtype: str = "auto") -> list[InferPlan]:
     t = model_terms(a, seq_len)
     wb = WEIGHT_BYTES[weight_dtype]
     out = []
@@ -123,7 +135,7 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
         dense = sum(x.params_split / tp + x.params_whole for x in L) + t.embedding + head / tp + t.final_norm
         experts = sum(x.params_experts for x in L) / tp
         weights = wb * (dense + experts)
-        kv = kv_bytes_per_token(a, tp)
+        kv = kv_bytes_per_token(a, tp, kv_cache_dtype)
         # The largest step's workspace with the engine's margin, and beside it the CUDA graphs' private pool, which
         # keeps the largest decode forward's (its split-KV partials) for the engine's life, and their logits buffer.
         graphs = decode_workspace_bytes(a, tp, max_num_seqs, seq_len) + max_num_seqs * a.vocab_size * BF16
