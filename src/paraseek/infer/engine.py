@@ -131,7 +131,8 @@ class Engine:
             log(f"speculative decoding: {cfg.speculative}, {cfg.spec_tokens} draft token(s) a step"
                 + (f", n-grams of {cfg.ngram_range[0]}..{cfg.ngram_range[1]} tokens" if cfg.speculative == "ngram"
                    else ", steps eager (the drafter reads the target's hidden states)"))
-        self.shape = CacheShape.of(self.args, self.tp, mtp_layers=int(mtp))
+        # Attention's tp (the runner's model's), not the replica's ranks: under --ep with tp 1 the cache is whole.
+        self.shape = CacheShape.of(self.args, self.runner.tp, mtp_layers=int(mtp))
         # The MTP drafter reads every target step's hidden states: its engine's steps run eagerly.
         self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager and not mtp
         self.report = self._size_cache()
