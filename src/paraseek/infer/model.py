@@ -365,8 +365,8 @@ class InferenceModel:
                       tp: int | None = None) -> InferenceModel:
         """Lay out a whole training model's weights for inference, taking this rank's tp share (`fp8`: every
         projection and expert quantized to FP8 128 x 128 blocks; `mtp`: its first MTP module too, as the
-        speculative drafter; `ep`, `tp`: as `build`). The training model is emptied layer by layer as it goes (peak memory: the model plus
-        one layer's copies): it cannot be used afterwards."""
+        speculative drafter; `ep`, `tp`: as `build`). The training model is emptied layer by layer as it goes
+        (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
         from paraseek.infer.weights import ModelWeights
 
         w = model.embed_tokens.weight
@@ -378,7 +378,8 @@ class InferenceModel:
     @torch.no_grad()
     def from_folder(cls, folder, args: ModelArgs, tp_group=None, *, dtype: torch.dtype, device,
                     block: tuple[int, int] | None = None, fp8: bool = False,
-                    map_budget: int = 1 << 30, mtp: bool = False, ep: int = 1, tp: int | None = None) -> InferenceModel:
+                    map_budget: int = 1 << 30, mtp: bool = False, ep: int = 1,
+                    tp: int | None = None) -> InferenceModel:
         """Read an HF folder's safetensors straight into this rank's layout, slice by slice (each rank reads only
         what it keeps; the whole model is never built). `block`: the FP8 weight block of its quantization_config.
         `fp8`: keep its FP8 blocks (or quantize a bf16 checkpoint's projections); otherwise FP8 weights are
