@@ -328,9 +328,9 @@ def check_parallel(ns: argparse.Namespace, args, device: str) -> None:
                             "--quantization to serve in --dtype")
     if ns.dp < 1:
         raise UserError(f"--dp must be >= 1, got {ns.dp}")
-    check_tp(args, ns.tp)
     ep = getattr(ns, "ep", 1)
     check_ep(args, ns.tp, ep)
+    check_tp(args, ns.tp, ep)
     if getattr(ns, "dp_attention", False):
         raise UserError("--dp-attention is not implemented: with --ep every GPU runs attention for every request "
                         "(replicated); leave it out")

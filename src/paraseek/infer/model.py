@@ -407,8 +407,8 @@ class InferenceModel:
 
         world = dist.get_world_size(tp_group) if tp_group is not None else 1
         tp = tp if tp is not None else world if ep == 1 else 1
-        check_tp(a, tp)
         check_ep(a, tp, ep)
+        check_tp(a, tp, ep)
         if tp not in (1, world) or ep not in (1, world) or max(tp, ep) != world:
             raise ValueError(f"tp {tp} and ep {ep} on a group of {world} ranks: each is 1 or the group's size")
         rank = dist.get_rank(tp_group) if tp_group is not None else 0
