@@ -122,6 +122,26 @@ def test_ep2_and_tp2_ep2_equal_one_process_each_rank_holding_its_experts(v3_fold
                 assert all(s is None for s in held["w13_scale"])
 
 
+def test_generate_cli_ep2_equals_one_process(v3_folder, tmp_path):
+    """`paraseek generate --ep 2` as a user runs it (two processes through torch's launcher, the replica's group of
+    max(tp, ep) ranks) gives one process's greedy tokens and log-probabilities."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts(4)))
+    r = subprocess.run([sys.executable, "-m", "paraseek", "generate", str(v3_folder), "--device", "cpu", "--prompts",
+                        str(file), "--json", "--quiet", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos",
+                        "--logprobs", "5", "--block-size", "8", "--max-batched-tokens", "32", "--ep", "2"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    _assert_same(_generate(_engine(_load(str(v3_folder)))),
+                 [{"tokens": row["token_ids"], "top": row["top_logprobs"]} for row in rows])
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--ep", "3"], "--ep 3 does not divide the model's 8 routed experts"),
     (["--ep", "2", "--tp", "4"], "--tp 4 with --ep 2"),
