@@ -41,7 +41,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
                    "quantized per token in groups of 128 (GPUs with FP8; on CPU a slow plain-torch reference). "
                    "none: FP8 checkpoints dequantized to --dtype")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per model replica (default 1)")
-    g.add_argument("--dp", type=int, default=1, help="model replicas (data parallel), each on --tp GPUs (default 1)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel GPUs per model replica: the routed experts "
+                   "split by expert index, each GPU holding E/N of them whole (default 1). Alone: attention and "
+                   "the shared experts replicated on each GPU; with --tp N (the same N): attention by heads, "
+                   "the shared experts by width")
+    g.add_argument("--dp-attention", action="store_true", help="with --ep: each GPU runs attention for its own "
+                   "requests (not implemented; refused)")
+    g.add_argument("--dp", type=int, default=1, help="model replicas (data parallel), each on max(--tp, --ep) GPUs "
+                   "(default 1)")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed and the default sampling seed base")
     e = p.add_argument_group("engine")
     d = _engine_defaults()
@@ -301,7 +308,15 @@ def device_for(ns: argparse.Namespace) -> str:
     return "cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
 
+def replica_gpus(ns: argparse.Namespace) -> int:
+    """GPUs (processes) of one model replica: --tp's or --ep's, the same ones when both are given."""
+    from paraseek.infer.ep import model_ranks
+
+    return model_ranks(ns.tp, getattr(ns, "ep", 1))
+
+
 def check_parallel(ns: argparse.Namespace, args, device: str) -> None:
+    from paraseek.infer.ep import check_ep
     from paraseek.infer.tp import check_tp
 
     if getattr(ns, "quantization", "auto") == "fp8" and device == "cuda":
@@ -316,14 +331,22 @@ def check_parallel(ns: argparse.Namespace, args, device: str) -> None:
                             "--quantization to serve in --dtype")
     if ns.dp < 1:
         raise UserError(f"--dp must be >= 1, got {ns.dp}")
-    check_tp(args, ns.tp)
+    ep = getattr(ns, "ep", 1)
+    check_ep(args, ns.tp, ep)
+    check_tp(args, ns.tp, ep)
+    if getattr(ns, "dp_attention", False):
+        raise UserError("--dp-attention is not implemented: with --ep every GPU runs attention for every request "
+                        "(replicated); leave it out")
+    if ep > 1 and lora_enabled(ns):
+        raise UserError(f"--ep {ep} with LoRA adapters: adapters are served with --tp only; leave out --ep")
     if device == "cuda":
         import torch
 
         n = torch.cuda.device_count()
-        if ns.tp * ns.dp > n:
-            raise UserError(f"--tp {ns.tp} x --dp {ns.dp} = {ns.tp * ns.dp} GPUs, but {n} {'is' if n == 1 else 'are'} "
-                            f"visible")
+        if replica_gpus(ns) * ns.dp > n:
+            what = f"--ep {ep}" if ep > ns.tp else f"--tp {ns.tp}"
+            raise UserError(f"{what} x --dp {ns.dp} = {replica_gpus(ns) * ns.dp} GPUs, but {n} "
+                            f"{'is' if n == 1 else 'are'} visible")
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:
@@ -404,7 +427,7 @@ def spawn(nproc: int, argv: list[str]) -> int:
 
 
 def place(ns: argparse.Namespace, device: str) -> Placement:
-    """Join the process group when launched as one of several processes; tp groups are consecutive ranks."""
+    """Join the process group when launched as one of several processes; a replica's tp/ep ranks are consecutive."""
     if os.environ.get(_WORKER_ENV) != "1" or "RANK" not in os.environ:
         return Placement(device=device)
     import torch
@@ -418,7 +441,7 @@ def place(ns: argparse.Namespace, device: str) -> Placement:
         device = f"cuda:{local}"
     else:
         dist.init_process_group("gloo")
-    tp = ns.tp
+    tp = replica_gpus(ns)  # the replica's ranks: its group carries tp's and ep's collectives alike
     pl = Placement(rank, world, rank // tp, rank % tp, device)
     pl.world_gloo = dist.new_group(backend="gloo") if device != "cpu" else dist.group.WORLD
     for r in range(world // tp):  # every rank creates every group, in the same order
@@ -455,10 +478,10 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     mtp = getattr(ns, "speculative", None) == "mtp"
     if src.kind == "hf":  # each rank reads its share of the safetensors, slice by slice
         model = InferenceModel.from_folder(src.path, src.args, pl.tp_group, dtype=dtype, device=pl.device,
-                                           block=block, fp8=fp8, mtp=mtp)
+                                           block=block, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp)
     else:  # the whole training model, then laid out for inference with this rank's tp share (the rest is freed)
         model = InferenceModel.from_training(load_model(src, dtype=dtype, device=pl.device, seed=ns.seed),
-                                             pl.tp_group, fp8=fp8, mtp=mtp)
+                                             pl.tp_group, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp)
     if pl.device.startswith("cuda"):
         torch.cuda.empty_cache()
     load_s = time.perf_counter() - t0
@@ -485,7 +508,7 @@ def planned_kv_tokens(engine) -> int | None:
     from paraseek.planner.infer import plan_inference
 
     spec = spec_for_device_name(torch.cuda.get_device_name(engine.device))
-    if spec is None:
+    if spec is None or engine.runner.tp != engine.tp:  # the planner prices tp layouts, not ep ones
         return None
     total = engine.report.total_gib
     cluster = dc.replace(make_cluster(spec.name, engine.tp, gpus_per_node=engine.tp), memory_gib=total)
@@ -676,13 +699,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             raise UserError(f"{p.where} has {len(p.token_ids)} tokens; with {sp.max_tokens} new tokens that "
                             f"exceeds the context of {max_len} (--max-model-len, --max-new-tokens)")
         params.append(sp)
-    world = ns.tp * ns.dp
+    world = replica_gpus(ns) * ns.dp
     if world > 1 and os.environ.get(_WORKER_ENV) != "1":
         return relaunch(world, sys.argv[1:] if ns.argv is None else ns.argv)
     pl = place(ns, device)
     say = print if pl.rank == 0 else (lambda *a, **k: None)
     say(f"generate: {src.spec} ({src.kind}), tokenizer: {src.tokenizer_why}; sampling: {why}; "
-        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp} x dp {ns.dp} on {device}\n{batch_line}",
+        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp}{f' ep {ns.ep}' if ns.ep > 1 else ''} x dp {ns.dp} on {device}\n{batch_line}",
         file=sys.stderr, flush=True)
     engine = build_engine(ns, src, pl, log=lambda *a, **k: say(*a, file=sys.stderr, **k))
     if pl.rank == 0:

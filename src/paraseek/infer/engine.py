@@ -139,7 +139,8 @@ class Engine:
         refusal = kv_fp8.refusal(cfg.kv_cache_dtype, self.device)
         if refusal:
             raise UserError(refusal)
-        self.shape = CacheShape.of(self.args, self.tp, mtp_layers=int(mtp), fp8=cfg.kv_cache_dtype == "fp8")
+        # Attention's tp (the runner's model's), not the replica's ranks: under --ep with tp 1 the cache is whole.
+        self.shape = CacheShape.of(self.args, self.runner.tp, mtp_layers=int(mtp), fp8=cfg.kv_cache_dtype == "fp8")
         # The MTP drafter reads every target step's hidden states: its engine's steps run eagerly.
         self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager and not mtp
         self.report = self._size_cache()

@@ -21,6 +21,9 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) is applied while building:
 of the two halves of a block; the head split by vocabulary (its logits all-gathered); MLA's latent projection,
 the norms and the router stay whole, so every rank holds the whole latent cache. GQA with fewer kv heads than ranks
 replicates each kv head over tp / n_kv_heads ranks.
+Expert parallelism (infer/ep.py, `ep`): the routed experts split by expert index instead, each rank computing its
+experts' slots of every token; the shared experts then form one SwiGLU MLP of their own (width n_shared x F, cut
+by tp like a dense MLP, whole at tp 1), since the stack holds whole-width routed experts.
 
 Built with mtp=True, the model also holds DeepSeek-V3's first multi-token-prediction module (MTPLayer, same layer
 classes, a cache layer of its own after the model's), which speculative decoding drafts with (infer/spec.py): its
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 
 from paraseek.infer import moe, ops
 from paraseek.infer.attention import prefill_attention
+from paraseek.infer.ep import local_slots
 from paraseek.infer.weights import Part, Share
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import MLA, Attention, Transformer, _use_grouped_mm, grouped_mm, rope_inv_freq
@@ -207,9 +211,9 @@ class LatentAttention:
 class DenseMLP:
     """SwiGLU with gate|up fused: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, s: Share, p: str):
-        self.gate_up = s.linear([s.part(f"{p}.mlp.gate_proj.weight"), s.part(f"{p}.mlp.up_proj.weight")])
-        self.down = s.linear([s.part(f"{p}.mlp.down_proj.weight", 1)])
+    def __init__(self, s: Share, p: str, mlp: str = "mlp"):
+        self.gate_up = s.linear([s.part(f"{p}.{mlp}.gate_proj.weight"), s.part(f"{p}.{mlp}.up_proj.weight")])
+        self.down = s.linear([s.part(f"{p}.{mlp}.down_proj.weight", 1)])
 
     def forward(self, h_NE: torch.Tensor) -> torch.Tensor:
         return self.down(ops.silu_mul(self.gate_up(h_NE)))
@@ -217,7 +221,8 @@ class DenseMLP:
 
 class MoELayer:
     """DeepSeekMoE for inference: routing in fp32 from a cached fp32 router weight, then routed and shared experts
-    together, either fused (few slots) or as sorted grouped GEMMs (many)."""
+    together, either fused (few slots) or as sorted grouped GEMMs (many). Under expert parallelism this rank's
+    routed experts whole (E_local of them, from expert_first on) and the shared experts as their own MLP."""
 
     def __init__(self, s: Share, p: str, a: ModelArgs):
         self.a = a
@@ -226,6 +231,20 @@ class MoELayer:
         self.bias_E = (s.tensor(s.whole(f"{p}.mlp.gate.e_score_correction_bias"), torch.float32)
                        if a.topk_method == "noaux_tc" else None)
         ex, F_ = f"{p}.mlp.experts", a.moe_inter_dim
+        self.shared: DenseMLP | None = None  # the shared experts under ep (see the module docstring)
+        self.ep_group = s.ep_group
+        if s.ep > 1:  # this rank's experts, whole; every other tensor of them is never read
+            self.E_local = self.E // s.ep
+            self.expert_first = s.ep_rank * self.E_local
+            mine = range(self.expert_first, self.expert_first + self.E_local)
+            w13 = [[s.whole(f"{ex}.{e}.gate_proj.weight"), s.whole(f"{ex}.{e}.up_proj.weight")] for e in mine]
+            w2 = [s.whole(f"{ex}.{e}.down_proj.weight") for e in mine]
+            if a.n_shared_experts:
+                self.shared = DenseMLP(s, p, "mlp.shared_experts")
+            self.n_shared = 0  # shared experts in the stack
+            self.w13_EXD, self.w13_scale, self.w2_EDF, self.w2_scale = s.experts(w13, w2)
+            return
+        self.E_local, self.expert_first = self.E, None
         w13 = [[s.part(f"{ex}.{e}.gate_proj.weight"), s.part(f"{ex}.{e}.up_proj.weight")] for e in range(self.E)]
         w2 = [s.part(f"{ex}.{e}.down_proj.weight", 1) for e in range(self.E)]
         self.n_shared = ns = a.n_shared_experts
@@ -247,6 +266,18 @@ class MoELayer:
 
     def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
         w_NK, idx_NK = self.route(h_ND)
+        if self.expert_first is None:
+            return self._experts(h_ND, w_NK, idx_NK)
+        # Expert parallel: this rank's slots (ep.local_slots), the ranks' sums added by one all-reduce -- here at
+        # tp 1, then the replicated shared experts once; at tp == ep by the model's all-reduce after the layer,
+        # this rank's width share of the shared experts in it.
+        y_ND = self._experts(h_ND, *local_slots(w_NK, idx_NK, self.expert_first, self.E_local))
+        if self.ep_group is not None:
+            dist.all_reduce(y_ND, group=self.ep_group)
+        return y_ND if self.shared is None else y_ND + self.shared.forward(h_ND)
+
+    def _experts(self, h_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
+        """The stacked experts' weighted sum for the slots (w_NK, idx_NK), in the path the step's size picks."""
         if self.w13_scale is not None:  # FP8 experts: the fused kernels (or their reference) at every batch size
             return moe.fused_moe_fp8(h_ND, self.w13_EXD, self.w13_scale, self.w2_EDF, self.w2_scale, w_NK, idx_NK,
                                      self.n_shared)
@@ -261,13 +292,14 @@ class MoELayer:
         N, D = h_ND.shape
         idx_NK = idx_NK.long()
         if self.n_shared:
-            shared_NS = torch.arange(self.E, self.E + self.n_shared, device=h_ND.device).expand(N, self.n_shared)
+            shared_NS = torch.arange(self.E_local, self.E_local + self.n_shared,
+                                     device=h_ND.device).expand(N, self.n_shared)
             idx_NK = torch.cat([idx_NK, shared_NS], dim=1)
             w_NK = torch.cat([w_NK, w_NK.new_ones(N, self.n_shared)], dim=1)
         Kt = idx_NK.shape[1]
         flat_M = idx_NK.reshape(-1)
         order_M = torch.argsort(flat_M, stable=True)
-        counts_E = torch.zeros(self.E + self.n_shared, dtype=torch.int64, device=h_ND.device).scatter_add_(
+        counts_E = torch.zeros(self.E_local + self.n_shared, dtype=torch.int64, device=h_ND.device).scatter_add_(
             0, flat_M, torch.ones_like(flat_M))
         gu_M2F = grouped_mm(h_ND[order_M // Kt], self.w13_EXD, counts_E)
         y_MD = grouped_mm(ops.silu_mul(gu_M2F), self.w2_EDF, counts_E)
@@ -315,11 +347,13 @@ class InferenceModel:
     """One tp rank's weights and the forward over a step's flattened tokens and the paged cache."""
 
     def __init__(self, args: ModelArgs, layers: list[Layer], embed_w: torch.Tensor, final_norm: Norm,
-                 head_w: torch.Tensor, rope_inv_freq: torch.Tensor, rope_attn_factor: float, tp_group=None):
+                 head_w: torch.Tensor, rope_inv_freq: torch.Tensor, rope_attn_factor: float, tp_group=None,
+                 tp: int | None = None, ep: int = 1):
         self.args, self.layers, self.embed_w, self.final_norm, self.head_w = args, layers, embed_w, final_norm, head_w
         self.rope_inv_freq, self.rope_attn_factor = rope_inv_freq, rope_attn_factor
-        self.tp_group = tp_group
-        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_group = tp_group  # the replica's ranks (tp's, ep's or both's)
+        self.tp = tp if tp is not None else dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.ep = ep
         self.device, self.dtype = embed_w.device, embed_w.dtype
         self.rope: Rope | None = None
         self.lora = None  # infer/lora.LoRASlots once adapters are attached (lora.attach)
@@ -328,15 +362,16 @@ class InferenceModel:
 
     @classmethod
     @torch.no_grad()
-    def from_training(cls, model: Transformer, tp_group=None, fp8: bool = False, mtp: bool = False) -> InferenceModel:
+    def from_training(cls, model: Transformer, tp_group=None, fp8: bool = False, mtp: bool = False, ep: int = 1,
+                      tp: int | None = None) -> InferenceModel:
         """Lay out a whole training model's weights for inference, taking this rank's tp share (`fp8`: every
         projection and expert quantized to FP8 128 x 128 blocks; `mtp`: its first MTP module too, as the
-        speculative drafter). The training model is emptied layer by layer as it goes (peak memory: the model plus
-        one layer's copies): it cannot be used afterwards."""
+        speculative drafter; `ep`, `tp`: as `build`). The training model is emptied layer by layer as it goes
+        (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
         from paraseek.infer.weights import ModelWeights
 
         w = model.embed_tokens.weight
-        out = cls.build(ModelWeights(model), model.args, tp_group, w.dtype, w.device, fp8, mtp)
+        out = cls.build(ModelWeights(model), model.args, tp_group, w.dtype, w.device, fp8, mtp, ep, tp)
         model.mtp = None  # what the engine runs of them was copied (mtp=True); the rest is not run
         return out
 
@@ -344,33 +379,42 @@ class InferenceModel:
     @torch.no_grad()
     def from_folder(cls, folder, args: ModelArgs, tp_group=None, *, dtype: torch.dtype, device,
                     block: tuple[int, int] | None = None, fp8: bool = False,
-                    map_budget: int = 1 << 30, mtp: bool = False) -> InferenceModel:
+                    map_budget: int = 1 << 30, mtp: bool = False, ep: int = 1,
+                    tp: int | None = None) -> InferenceModel:
         """Read an HF folder's safetensors straight into this rank's layout, slice by slice (each rank reads only
         what it keeps; the whole model is never built). `block`: the FP8 weight block of its quantization_config.
         `fp8`: keep its FP8 blocks (or quantize a bf16 checkpoint's projections); otherwise FP8 weights are
         dequantized to `dtype`. `map_budget`: models.hf.HubTensors'. `mtp`: its first MTP layer too (the
-        speculative drafter)."""
+        speculative drafter). `ep`, `tp`: as `build` (under ep each rank reads only its experts' tensors)."""
         from paraseek.infer.weights import FolderWeights
 
         src = FolderWeights(folder, args, block, map_budget)
         try:
-            return cls.build(src, args, tp_group, dtype, device, fp8, mtp)
+            return cls.build(src, args, tp_group, dtype, device, fp8, mtp, ep, tp)
         finally:
             src.close()
 
     @classmethod
     def build(cls, source, a: ModelArgs, tp_group, dtype: torch.dtype, device, fp8: bool,
-              mtp: bool = False) -> InferenceModel:
+              mtp: bool = False, ep: int = 1, tp: int | None = None) -> InferenceModel:
         """The layers from `source` (infer/weights.py), each layer's share read and laid out before the next;
         `mtp`: V3's first MTP module as well (MTPLayer). The drafter runs that one module for every draft (V3 ships
         one; a model with more keeps only the first: its deeper modules would need each earlier depth's hidden
-        states of the same positions kept from step to step)."""
+        states of the same positions kept from step to step). `tp_group` holds the replica's ranks; `ep` > 1 splits
+        the routed experts over all of them by expert (infer/ep.py), `tp` (default: all of them when ep is 1, else
+        1) the rest by heads and width: tp and ep are each 1 or the group's size."""
+        from paraseek.infer.ep import check_ep
         from paraseek.infer.tp import check_tp
 
-        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-        check_tp(a, tp)
+        world = dist.get_world_size(tp_group) if tp_group is not None else 1
+        tp = tp if tp is not None else world if ep == 1 else 1
+        check_ep(a, tp, ep)
+        check_tp(a, tp, ep)
+        if tp not in (1, world) or ep not in (1, world) or max(tp, ep) != world:
+            raise ValueError(f"tp {tp} and ep {ep} on a group of {world} ranks: each is 1 or the group's size")
         rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        s = Share(source, rank, tp, dtype, torch.device(device), fp8)
+        s = Share(source, rank if tp > 1 else 0, tp, dtype, torch.device(device), fp8, ep_rank=rank if ep > 1 else 0,
+                  ep=ep, ep_group=tp_group if ep > 1 and tp == 1 else None)
         layers = []
         for i in range(a.n_layers):
             p = f"layers.{i}"
@@ -392,7 +436,7 @@ class InferenceModel:
                 head[:rows] = s.tensor(Part(head_name, 0, start, rows))
         inv_freq, attn_factor = rope_inv_freq(a)
         out = cls(a, layers, embed, Norm(s.tensor(s.whole("norm.weight")), a.norm_eps), head, inv_freq,
-                  attn_factor, tp_group)
+                  attn_factor, tp_group, tp, ep)
         if mtp:
             out.mtp = MTPLayer(s, a)
             s.release(f"layers.{a.n_layers}")
@@ -415,8 +459,10 @@ class InferenceModel:
             if isinstance(L.mlp, MoELayer):
                 m = L.mlp
                 experts = size(m.w13_EXD, m.w2_EDF, m.w13_scale, m.w2_scale)
-                routed += experts * m.E // (m.E + m.n_shared)
-                dense += experts - experts * m.E // (m.E + m.n_shared) + size(m.router_w32, m.bias_E)
+                routed += experts * m.E_local // (m.E_local + m.n_shared)
+                dense += experts - experts * m.E_local // (m.E_local + m.n_shared) + size(m.router_w32, m.bias_E)
+                if m.shared is not None:
+                    dense += m.shared.gate_up.nbytes() + m.shared.down.nbytes()
             else:
                 dense += L.mlp.gate_up.nbytes() + L.mlp.down.nbytes()
         return {"dense": dense, "routed": routed, "embed": size(self.embed_w)}

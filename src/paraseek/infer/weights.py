@@ -135,10 +135,14 @@ class FolderWeights:
 # ---- this rank's share --------------------------------------------------------------------------------------------
 class Share:
     """The vocabulary of the inference model's layout rules -- `part` (this rank's contiguous share of a dim),
-    `tensor`, `linear`, `experts` -- over a source, for tp rank `rank` of `tp`, building on `device` in `dtype`."""
+    `tensor`, `linear`, `experts` -- over a source, for tp rank `rank` of `tp`, building on `device` in `dtype`.
+    Under expert parallelism (infer/ep.py) the MoE layers also read `ep_rank` of `ep` (which routed experts are
+    this rank's) and `ep_group` (None unless tp is 1: then the MoE layer adds its ranks' sums itself)."""
 
-    def __init__(self, source, rank: int, tp: int, dtype: torch.dtype, device, fp8: bool = False):
+    def __init__(self, source, rank: int, tp: int, dtype: torch.dtype, device, fp8: bool = False,
+                 ep_rank: int = 0, ep: int = 1, ep_group=None):
         self.src, self.rank, self.tp, self.dtype, self.device, self.fp8 = source, rank, tp, dtype, device, fp8
+        self.ep_rank, self.ep, self.ep_group = ep_rank, ep, ep_group
         self.counts: Counter = Counter()  # projections (and expert layers) by how they were built
 
     # -- what a layer keeps

@@ -97,7 +97,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_lora_modules, check_parallel,
                                     check_speculative, device_for, engine_config, generation_defaults,
-                                    load_tokenizer, place, spawn)
+                                    load_tokenizer, place, replica_gpus, spawn)
     from paraseek.infer.load import resolve_source
 
     _check(ns)
@@ -125,8 +125,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         tokenizer = load_text_tokenizer(src.tokenizer, chat_template=ns.chat_template or src.chat_template)
     defaults, why = generation_defaults(src)
-    if ns.tp * ns.dp > 1 and os.environ.get(_WORKER_ENV) != "1":
-        return spawn(ns.tp * ns.dp, ns.argv)
+    if replica_gpus(ns) * ns.dp > 1 and os.environ.get(_WORKER_ENV) != "1":
+        return spawn(replica_gpus(ns) * ns.dp, ns.argv)
     pl = place(ns, device)
     listener = None
     if ns.dp > 1:  # the HTTP process listens for the other replicas' drivers; everyone learns where

@@ -1,0 +1,168 @@
+"""Expert-parallel serving on gloo (infer/ep.py): a tiny V3-shaped model (MLA, noaux_tc routing with groups and a
+bias, a shared expert, 8 routed experts), fp32, two processes. `--ep 2` (attention replicated) and `--tp 2 --ep 2`
+(attention by heads) give one process's greedy tokens and log-probabilities within 1e-4; each rank holds, and
+reads from the safetensors, only its 4 routed experts; an FP8 block-quantized folder (scripts/write_fp8_checkpoint.py)
+loads sharded under --ep 2 and gives one process's tokens of the same folder dequantized. The CLI refuses what
+cannot be split, in one line, before any weight is read."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_helpers import SRC, spawn
+from fp8_models import TINY_V3, prompts, write_fp8, write_source
+
+pytestmark = pytest.mark.dist
+
+# One MTP-free copy of TINY_V3: the drafter's layer is not what these tests measure.
+V3 = dict(TINY_V3, num_nextn_predict_layers=0)
+E = V3["n_routed_experts"]
+MOE_LAYERS = V3["num_hidden_layers"] - V3["first_k_dense_replace"]
+
+
+def _engine(model, tp_group=None):
+    from paraseek.infer.config import EngineConfig
+    from paraseek.infer.engine import Engine
+
+    cfg = EngineConfig(block_size=8, max_batched_tokens=32, max_num_seqs=8, max_model_len=96, num_kv_blocks=96)
+    return Engine(model, cfg, tp_group=tp_group, meta_group=tp_group, log=lambda *a, **k: None)
+
+
+def _generate(engine) -> list[dict]:
+    from paraseek.infer.sampling import SamplingParams
+
+    reqs = engine.generate(prompts(4), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5))
+    return [{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs]
+
+
+def _load(folder: str, tp_group=None, **layout):
+    from paraseek.infer.model import InferenceModel
+    from paraseek.models.args import ModelArgs, read_hf_config
+    from paraseek.models.hf import fp8_block_size
+
+    cfg = read_hf_config(folder)
+    return InferenceModel.from_folder(Path(folder), ModelArgs.from_hf_config(cfg), tp_group, dtype=torch.float32,
+                                      device="cpu", block=fp8_block_size(cfg, folder), **layout)
+
+
+def _run(rank: int, world: int, runs: list[tuple[str, dict]]) -> list[dict]:
+    """Each run: this rank's model of the folder with the layout, the experts it read and holds, and on rank 0 the
+    replica's outputs (rank 1 runs the steps rank 0 broadcasts)."""
+    import torch.distributed as dist
+
+    from paraseek.infer.engine import serve_worker
+    from paraseek.infer.model import MoELayer
+    from paraseek.infer.weights import FolderWeights
+
+    read_names: set[str] = set()
+    plain_read = FolderWeights.read
+
+    def read(self, name, *a, **k):
+        read_names.add(name)
+        return plain_read(self, name, *a, **k)
+
+    FolderWeights.read = read
+    out = []
+    for folder, layout in runs:
+        read_names.clear()
+        model = _load(folder, dist.group.WORLD, **layout)
+        experts_read = sorted({int(n.split(".")[4]) for n in read_names if ".mlp.experts." in n})
+        moe = [L.mlp for L in model.layers if isinstance(L.mlp, MoELayer)]
+        held = {"experts_read": experts_read, "w13": [m.w13_EXD.clone() for m in moe],
+                "w13_scale": [m.w13_scale for m in moe], "first": [m.expert_first for m in moe]}
+        engine = _engine(model, dist.group.WORLD)
+        if rank == 0:
+            held["outputs"] = _generate(engine)
+            engine.shutdown()
+        else:
+            serve_worker(engine.runner, dist.group.WORLD)
+        out.append(held)
+    return out
+
+
+def _assert_same(one: list[dict], two: list[dict]) -> None:
+    for a, b in zip(one, two, strict=True):
+        assert a["tokens"] == b["tokens"]
+        for top_a, top_b in zip(a["top"], b["top"], strict=True):
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def v3_folder(tmp_path_factory) -> Path:
+    return write_source(tmp_path_factory.mktemp("v3") / "source", V3)
+
+
+def test_ep2_and_tp2_ep2_equal_one_process_each_rank_holding_its_experts(v3_folder, tmp_path):
+    src = v3_folder
+    fp8 = write_fp8(src, tmp_path / "fp8")
+    ranks = spawn(_run, 2, tmp_path, runs=[(str(src), {"ep": 2, "tp": 1}), (str(src), {"ep": 2, "tp": 2}),
+                                           (str(fp8), {"ep": 2, "tp": 1})])
+    from paraseek.infer.model import MoELayer
+
+    one = _load(str(src))
+    whole_w13 = [L.mlp.w13_EXD for L in one.layers if isinstance(L.mlp, MoELayer)]
+    one_out = _generate(_engine(one))
+    fp8_out = _generate(_engine(_load(str(fp8))))  # one process, the FP8 folder dequantized
+
+    for run, want in zip(range(3), (one_out, one_out, fp8_out)):
+        _assert_same(want, ranks[0][run]["outputs"])
+        for r in (0, 1):
+            held = ranks[r][run]
+            mine = list(range(r * E // 2, (r + 1) * E // 2))
+            assert held["experts_read"] == mine  # the safetensors' other experts never read
+            assert held["first"] == [mine[0]] * MOE_LAYERS
+            # Its experts' weights and no other: E / 2 whole experts (the shared one is a separate MLP under ep).
+            assert [tuple(w.shape) for w in held["w13"]] == [(E // 2, *whole.shape[1:]) for whole in whole_w13]
+            if run < 2:
+                for w, whole in zip(held["w13"], whole_w13):
+                    assert torch.equal(w, whole[mine[0]:mine[-1] + 1])
+            else:  # the checkpoint's FP8 blocks, dequantized on load (the CPU keeps no FP8 weights)
+                assert all(s is None for s in held["w13_scale"])
+
+
+def test_generate_cli_ep2_equals_one_process(v3_folder, tmp_path):
+    """`paraseek generate --ep 2` as a user runs it (two processes through torch's launcher, the replica's group of
+    max(tp, ep) ranks) gives one process's greedy tokens and log-probabilities."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts(4)))
+    r = subprocess.run([sys.executable, "-m", "paraseek", "generate", str(v3_folder), "--device", "cpu", "--prompts",
+                        str(file), "--json", "--quiet", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos",
+                        "--logprobs", "5", "--block-size", "8", "--max-batched-tokens", "32", "--ep", "2"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    _assert_same(_generate(_engine(_load(str(v3_folder)))),
+                 [{"tokens": row["token_ids"], "top": row["top_logprobs"]} for row in rows])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ep", "3"], "--ep 3 does not divide the model's 8 routed experts"),
+    (["--ep", "2", "--tp", "4"], "--tp 4 with --ep 2"),
+    (["--ep", "2", "--dp-attention"], "--dp-attention"),
+])
+def test_ep_refusals_are_one_line_exit_2(flags, message, v3_folder, capsys):
+    """Refused by `paraseek generate` itself (in this process), before any weight is read or worker started."""
+    from paraseek.cli import main
+
+    src = v3_folder
+    code = main(["generate", str(src), "--device", "cpu", "--prompt", "hi", *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_ep_on_a_dense_model_is_refused():
+    from paraseek.errors import UserError
+    from paraseek.infer.ep import check_ep
+    from paraseek.models.args import ModelArgs
+
+    from fp8_models import TINY_GQA
+
+    with pytest.raises(UserError, match="dense"):
+        check_ep(ModelArgs.from_hf_config(TINY_GQA), 1, 2)
