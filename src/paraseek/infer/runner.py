@@ -2,7 +2,8 @@
 and the paged cache it reads and writes.
 
 Decode-only steps replay CUDA graphs captured per (batch bucket, block-table width) that hold the whole step, input
-patching and greedy sampling included; everything else runs eagerly.
+patching and greedy sampling included; everything else runs eagerly. A speculative verification is decode rows too
+(the engine lays a request's last token and K drafts out as K + 1 rows), so its steps replay the same graphs.
 """
 
 from __future__ import annotations

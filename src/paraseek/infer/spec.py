@@ -3,8 +3,10 @@ forward, and the step delivers the accepted drafts plus one token of the target'
 Inference from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding
 with Speculative Sampling").
 
-Verification. A drafting request's step is one chunk of K + 1 tokens over its paged context (the last known token,
-then the drafts: scheduler.Scheduled.num_drafts), through the prefill-chunk path, with logits for every row: row j
+Verification. A drafting request's step is K + 1 tokens over its paged context (the last known token, then the
+drafts: scheduler.Scheduled.num_drafts), laid out as K + 1 decode rows (engine._host_batch: row j at position
+start + j with a context of start + j + 1, causal as a chunk, and replayed by the decode CUDA graphs when the step
+is decode-only), with logits for every row: row j
 is the target's distribution p_j of the token after draft j (after the request's own transforms: masks, penalties
 that count drafts 1..j as output, temperature, top-k/p, min-p, exactly as plain sampling, sampling.distributions).
   - greedy: drafts are accepted while each equals the target's argmax at its position; the next token is the
