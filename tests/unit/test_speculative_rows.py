@@ -30,8 +30,11 @@ def _engine(variant: str, **kw) -> Engine:
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + (1.0 if "norm" in name else 0.0))
     cfg = dict(block_size=BS, num_kv_blocks=64, max_batched_tokens=64, speculative="ngram",
-               num_speculative_tokens=3, ngram_min=1)
-    return Engine(model, EngineConfig(**(cfg | kw)), log=lambda *_: None)
+               num_speculative_tokens=3)
+    cfg = cfg | kw
+    if cfg["speculative"] == "ngram":
+        cfg["ngram_min"] = 1
+    return Engine(model, EngineConfig(**cfg), log=lambda *_: None)
 
 
 def _as_chunks(plan, bs: int) -> HostBatch:
@@ -116,3 +119,27 @@ def test_a_verification_step_maps_to_the_decode_graph_of_its_rows():
     plan.items = rows_first(plan.items)
     hb, _ = engine._host_batch(plan)
     assert hb.n_decode < len(hb.ids) and runner.graph_key(hb) is None
+
+
+def test_mtp_drafter_steps_are_decode_rows_and_map_to_the_drafter_graphs():
+    """The drafter's rows of a verified step (here 3 positions of one request, then 1 of another): decode rows at
+    their positions, logits at each segment's last row; with MTP graphs captured the step maps to the drafter's
+    graph of its row count, without them it runs eagerly."""
+    from types import SimpleNamespace as NS
+
+    from paraseek.infer.spec import _drafter_batch, _Segment
+
+    a, b = NS(blocks=[3, 4]), NS(blocks=[7])
+    segs = [_Segment(a, 6, [11, 12, 13], [0, 1, 2]), _Segment(b, 2, [21], [5])]
+    hb, order = _drafter_batch(segs, BS, {id(a), id(b)})
+    assert order == segs and hb.n_decode == len(hb.ids) == 4 and hb.lens == []
+    assert hb.pos.tolist() == [6, 7, 8, 2] and hb.context_lens.tolist() == [7, 8, 9, 3]
+    assert hb.slots.tolist() == [3 * BS + 6, 3 * BS + 7, 4 * BS + 0, 7 * BS + 2]
+    assert hb.block_tables.tolist() == [[3, 4], [3, 4], [3, 4], [7, 0]]
+    assert hb.logits_idx.tolist() == [2, 3] and hb.hidden_rows.tolist() == [0, 1, 2, 5]
+    runner = _engine(MLA, speculative="mtp", num_speculative_tokens=2).runner
+    runner.graphs = runner.mtp_graphs = {(s, 2): None for s in (1, 2, 4, 8)}
+    runner.graph_batch_sizes, runner._widths = [1, 2, 4, 8], [2]
+    assert runner.graph_key(hb) is None  # no hidden-state buffers: not captured for MTP
+    runner._h_out = torch.zeros(8, 1)
+    assert runner.graph_key(hb) == (4, 2)

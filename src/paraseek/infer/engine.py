@@ -132,16 +132,18 @@ class Engine:
                 + (f", n-grams of {cfg.ngram_range[0]}..{cfg.ngram_range[1]} tokens" if cfg.speculative == "ngram"
                    else ""))
         self.shape = CacheShape.of(self.args, self.tp, mtp_layers=int(mtp))
-        # The MTP drafter reads every target step's hidden states: its engine's steps run eagerly.
-        self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager and not mtp
+        # With the MTP drafter the decode graphs keep the target's hidden states, and its own steps have graphs too.
+        self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager
         self.report = self._size_cache()
         self.runner.allocate_cache(self.report.num_blocks, self.shape)
         if self.use_graphs:
             t0 = time.perf_counter()
             try:
-                self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths())
+                self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths(), mtp=mtp)
             except RuntimeError as e:  # a kernel that cannot be captured: run eagerly, and say so
                 self.runner.graphs.clear()
+                self.runner.mtp_graphs.clear()
+                self.runner._h_in = self.runner._h_out = None
                 log(f"warning: CUDA graphs off, decode runs eagerly ({str(e).splitlines()[0][:160]})")
             self.report.extra["graphs_s"] = time.perf_counter() - t0
             self.report.extra["graphs"] = len(self.runner.graphs)
@@ -189,8 +191,9 @@ class Engine:
             # The CUDA graphs' private pool keeps the largest decode forward's workspace for the engine's life (and
             # their logits buffer sits beside it), while an eager step or the sampler allocates on top: both are
             # held back from the KV pool.
-            graphs = (decode_ws + max_decode_rows(cfg) * self.args.vocab_size * self.runner.dtype.itemsize
-                      if self.use_graphs else 0)
+            # With MTP: the hidden-state buffers of the drafter's graphs (in and out) too.
+            graphs = (decode_ws + max_decode_rows(cfg) * (self.args.vocab_size + 2 * self.args.dim * mtp)
+                      * self.runner.dtype.itemsize if self.use_graphs else 0)
             # The caching allocator's rounding and fragmentation (config.ALLOCATOR_FRACTION): without it
             # the reserved memory of a long run creeps past the limit even when the allocated memory does not.
             budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1 - graphs

@@ -34,8 +34,10 @@ The KV cache: the K + 1 positions write their K/V; the accepted prefix counts as
 slot is simply rewritten later. After the step a request keeps the blocks its next drafts need; blocks that held
 only rejected positions go back to the pool. No block holding an unverified token is ever registered in the prefix
 cache (registration stops at the last known token). Speculative steps are synchronous (the next drafts need the
-accepted tokens on the host) and, with the MTP drafter, eager (its input is every row's hidden state); plain decode
-steps of an ngram engine that has nothing to draft keep their CUDA graphs.
+accepted tokens on the host). CUDA graphs: a step without prefill chunks (verifications and decodes, all decode rows)
+replays the decode graph of its row count; with the MTP drafter those graphs also keep the last block's output, and
+the drafter's steps (each position a decode row, its hidden state gathered from the kept output before the replay)
+replay graphs of their own (runner.capture_graphs(mtp=True)).
 """
 
 from __future__ import annotations
@@ -341,8 +343,7 @@ class MtpDrafter(Drafter):
 
 
 def _last_rows(order: list[_Segment]) -> list[int]:
-    """The row of each segment's last position in a drafter batch built by _drafter_batch (one-row segments
-    first)."""
+    """The row of each segment's last position in a drafter batch built by _drafter_batch."""
     out, row = [], 0
     for g in order:
         row += len(g.ids)
@@ -351,39 +352,31 @@ def _last_rows(order: list[_Segment]) -> list[int]:
 
 
 def _drafter_batch(segs: list[_Segment], bs: int, want: set[int]):
-    """The drafter's forward over the segments (the engine's step layout: one-row segments as decode rows, then
-    chunks over each request's whole context in the drafter's cache layer), with logits at the last row of each
-    segment whose request is in `want`. Returns (HostBatch, the segments in row order)."""
+    """The drafter's forward over the segments, every position a decode row over the request's block table in the
+    drafter's cache layer (row at position p: a context of p + 1, causal within a segment as a chunk; decode-only
+    steps replay the MTP graphs), with logits at the last row of each segment whose request is in `want`. Returns
+    (HostBatch, the segments in row order)."""
     from paraseek.infer.runner import HostBatch
 
-    order = [g for g in segs if len(g.ids) == 1] + [g for g in segs if len(g.ids) > 1]
-    nd = sum(len(g.ids) == 1 for g in order)
-    M = max([len(g.req.blocks) for g in order[:nd]], default=1)
-    bt = np.zeros((nd, M), dtype=np.int32)
-    ids, pos, slots, hidden, lens, k_slots, logits_idx = [], [], [], [], [], [], []
-    ctx = np.zeros(nd, dtype=np.int32)
+    n = sum(len(g.ids) for g in segs)
+    M = max(len(g.req.blocks) for g in segs)
+    bt = np.zeros((n, M), dtype=np.int32)
+    ids, pos, hidden, logits_idx = [], [], [], []
     row = 0
-    for i, g in enumerate(order):
-        blocks = np.asarray(g.req.blocks, dtype=np.int64)
-        p = np.arange(g.start, g.start + len(g.ids))
+    for g in segs:
+        k = len(g.ids)
+        bt[row:row + k, :len(g.req.blocks)] = g.req.blocks
         ids += g.ids
         hidden += g.hidden
-        pos.append(p)
-        slots.append(blocks[p // bs] * bs + p % bs)
-        if i < nd:
-            bt[i, :len(blocks)] = blocks
-            ctx[i] = g.start + 1
-        else:
-            c = np.arange(g.start + len(g.ids))
-            k_slots.append(blocks[c // bs] * bs + c % bs)
-            lens.append((len(g.ids), g.start + len(g.ids)))
-        row += len(g.ids)
+        pos += range(g.start, g.start + k)
+        row += k
         if id(g.req) in want:
             logits_idx.append(row - 1)
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    hb = HostBatch(np.asarray(ids, np.int64), cat(pos), cat(slots), nd, bt, ctx, lens, cat(k_slots),
-                   np.asarray(logits_idx, np.int64), hidden_rows=np.asarray(hidden, np.int64))
-    return hb, order
+    pos_d = np.asarray(pos, dtype=np.int64)
+    slots = bt[np.arange(n), pos_d // bs].astype(np.int64) * bs + pos_d % bs
+    hb = HostBatch(np.asarray(ids, np.int64), pos_d, slots, n, bt, (pos_d + 1).astype(np.int32), [],
+                   np.zeros(0, np.int64), np.asarray(logits_idx, np.int64), hidden_rows=np.asarray(hidden, np.int64))
+    return hb, segs
 
 
 def make_drafter(cfg) -> Drafter:
