@@ -124,14 +124,15 @@ def test_a_verification_step_maps_to_the_decode_graph_of_its_rows():
 def test_mtp_drafter_steps_are_decode_rows_and_map_to_the_drafter_graphs():
     """The drafter's rows of a verified step (here 3 positions of one request, then 1 of another): decode rows at
     their positions, logits at each segment's last row; with MTP graphs captured the step maps to the drafter's
-    graph of its row count, without them it runs eagerly."""
+    graph of its row count, without them it runs eagerly. A prefill chunk's longer segment stays a chunk (after the
+    rows) and the step runs eagerly."""
     from types import SimpleNamespace as NS
 
     from paraseek.infer.spec import _drafter_batch, _Segment
 
-    a, b = NS(blocks=[3, 4]), NS(blocks=[7])
+    a, b, c = NS(blocks=[3, 4]), NS(blocks=[7]), NS(blocks=[9, 10])
     segs = [_Segment(a, 6, [11, 12, 13], [0, 1, 2]), _Segment(b, 2, [21], [5])]
-    hb, order = _drafter_batch(segs, BS, {id(a), id(b)})
+    hb, order = _drafter_batch(segs, BS, {id(a), id(b)}, max_rows=4)
     assert order == segs and hb.n_decode == len(hb.ids) == 4 and hb.lens == []
     assert hb.pos.tolist() == [6, 7, 8, 2] and hb.context_lens.tolist() == [7, 8, 9, 3]
     assert hb.slots.tolist() == [3 * BS + 6, 3 * BS + 7, 4 * BS + 0, 7 * BS + 2]
@@ -143,3 +144,8 @@ def test_mtp_drafter_steps_are_decode_rows_and_map_to_the_drafter_graphs():
     assert runner.graph_key(hb) is None  # no hidden-state buffers: not captured for MTP
     runner._h_out = torch.zeros(8, 1)
     assert runner.graph_key(hb) == (4, 2)
+    prefill = _Segment(c, 0, list(range(10)), list(range(6, 16)))
+    hb, order = _drafter_batch([prefill] + segs, BS, {id(a), id(c)}, max_rows=4)
+    assert order == segs + [prefill] and hb.n_decode == 4 and hb.lens == [(10, 10)]
+    assert hb.logits_idx.tolist() == [2, 13] and hb.hidden_rows.tolist() == [0, 1, 2, 5] + list(range(6, 16))
+    assert runner.graph_key(hb) is None

@@ -146,7 +146,7 @@ class Engine:
                 self.runner._h_in = self.runner._h_out = None
                 log(f"warning: CUDA graphs off, decode runs eagerly ({str(e).splitlines()[0][:160]})")
             self.report.extra["graphs_s"] = time.perf_counter() - t0
-            self.report.extra["graphs"] = len(self.runner.graphs)
+            self.report.extra["graphs"] = len(self.runner.graphs) + len(self.runner.mtp_graphs)
         if "allocator_fraction" in self.report.extra:
             # From here on the allocator is held to the share: past it, it releases cached blocks and retries
             # instead of growing. Set after the pool and the graphs exist: blocks the build left cached would count

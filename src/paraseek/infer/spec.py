@@ -301,7 +301,7 @@ class MtpDrafter(Drafter):
         if not segs:
             return
         want = {id(r) for r in drafting}
-        hb, order = _drafter_batch(segs, engine.cfg.block_size, want)
+        hb, order = _drafter_batch(segs, engine.cfg.block_size, want, self.k + 1)
         logits_SV = engine._forward(hb)
         out_rows = {id(g.req): r for g, r in zip(order, _last_rows(order))}
         live = [g.req for g in order if id(g.req) in want]
@@ -316,7 +316,7 @@ class MtpDrafter(Drafter):
             if not live:
                 break
             segs = [_Segment(r, r.num_computed + len(r.drafts) - 1, [r.drafts[-1]], [out_rows[id(r)]]) for r in live]
-            hb, order = _drafter_batch(segs, engine.cfg.block_size, {id(r) for r in live})
+            hb, order = _drafter_batch(segs, engine.cfg.block_size, {id(r) for r in live}, self.k + 1)
             logits_SV = engine._forward(hb)
             out_rows = {id(g.req): r for g, r in zip(order, _last_rows(order))}
             live = [g.req for g in order]
@@ -351,32 +351,44 @@ def _last_rows(order: list[_Segment]) -> list[int]:
     return out
 
 
-def _drafter_batch(segs: list[_Segment], bs: int, want: set[int]):
-    """The drafter's forward over the segments, every position a decode row over the request's block table in the
-    drafter's cache layer (row at position p: a context of p + 1, causal within a segment as a chunk; decode-only
-    steps replay the MTP graphs), with logits at the last row of each segment whose request is in `want`. Returns
-    (HostBatch, the segments in row order)."""
+def _drafter_batch(segs: list[_Segment], bs: int, want: set[int], max_rows: int):
+    """The drafter's forward over the segments, with logits at the last row of each segment whose request is in `want`.
+    A segment of up to `max_rows` positions (a verified step's, K + 1 at most, or one further draft) is decode rows
+    over the request's block table in the drafter's cache layer (the row at position p: a context of p + 1, causal
+    within the segment as a chunk; a step of decode rows alone replays the MTP graphs); a longer one (a prefill
+    chunk's) is a chunk over its whole context, after the rows: per-row contexts would read its context once a row.
+    Returns (HostBatch, the segments in row order)."""
     from paraseek.infer.runner import HostBatch
 
-    n = sum(len(g.ids) for g in segs)
-    M = max(len(g.req.blocks) for g in segs)
-    bt = np.zeros((n, M), dtype=np.int32)
-    ids, pos, hidden, logits_idx = [], [], [], []
+    order = [g for g in segs if len(g.ids) <= max_rows] + [g for g in segs if len(g.ids) > max_rows]
+    rows = [g for g in order if len(g.ids) <= max_rows]
+    nd = sum(len(g.ids) for g in rows)
+    M = max([len(g.req.blocks) for g in rows], default=1)
+    bt = np.zeros((nd, M), dtype=np.int32)
+    ids, pos, slots, hidden, lens, k_slots, logits_idx = [], [], [], [], [], [], []
     row = 0
-    for g in segs:
+    for g in order:
         k = len(g.ids)
-        bt[row:row + k, :len(g.req.blocks)] = g.req.blocks
+        blocks = np.asarray(g.req.blocks, dtype=np.int64)
+        p = np.arange(g.start, g.start + k)
         ids += g.ids
         hidden += g.hidden
-        pos += range(g.start, g.start + k)
+        pos.append(p)
+        slots.append(blocks[p // bs] * bs + p % bs)
+        if row < nd:
+            bt[row:row + k, :len(blocks)] = blocks
+        else:
+            c = np.arange(g.start + k)
+            k_slots.append(blocks[c // bs] * bs + c % bs)
+            lens.append((k, g.start + k))
         row += k
         if id(g.req) in want:
             logits_idx.append(row - 1)
-    pos_d = np.asarray(pos, dtype=np.int64)
-    slots = bt[np.arange(n), pos_d // bs].astype(np.int64) * bs + pos_d % bs
-    hb = HostBatch(np.asarray(ids, np.int64), pos_d, slots, n, bt, (pos_d + 1).astype(np.int32), [],
-                   np.zeros(0, np.int64), np.asarray(logits_idx, np.int64), hidden_rows=np.asarray(hidden, np.int64))
-    return hb, segs
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    pos_N = cat(pos)
+    hb = HostBatch(np.asarray(ids, np.int64), pos_N, cat(slots), nd, bt, (pos_N[:nd] + 1).astype(np.int32), lens,
+                   cat(k_slots), np.asarray(logits_idx, np.int64), hidden_rows=np.asarray(hidden, np.int64))
+    return hb, order
 
 
 def make_drafter(cfg) -> Drafter:
