@@ -263,9 +263,10 @@ class Engine:
 
     def _graph_batch_sizes(self) -> list[int]:
         """Decode rows to capture: up to max_num_seqs, or under speculative decoding up to max_num_seqs x (K + 1)
-        (max_decode_rows), 1, 2, 4, 8, then every 16 to 256, every 32 to 1024, every 64 beyond."""
+        (max_decode_rows): 1, 2, 4, 8, then every 16 to 256, every 32 to 1024, and the most rows (planner/infer.py's
+        graph_batch keeps a copy of this list)."""
         rows = max_decode_rows(self.cfg) if getattr(self.cfg, "speculative", None) else self.cfg.max_num_seqs
-        sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32)) + list(range(1088, rows, 64))
+        sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
         return [s for s in sizes if s < rows] + [rows]
 
     def _graph_widths(self) -> list[int]:
