@@ -1,7 +1,7 @@
-"""Speculative decoding on CUDA: with the Triton kernels, flash prefill and CUDA graphs (ngram: decode-only steps
-replay their graphs between eager verification steps; mtp: every step eager), greedy speculation gives the greedy
-tokens of the engine without it, in fp32; in bf16 with MoE it runs within the sized memory and gives every block
-back."""
+"""Speculative decoding on CUDA: with the Triton kernels, flash prefill and CUDA graphs, verification steps (K + 1
+decode rows a request) replay the decode graphs with both drafters, and with `mtp` the drafter's steps replay graphs
+of their own; greedy speculation gives the greedy tokens of the engine without it, in fp32; in bf16 with MoE it runs
+within the sized memory and gives every block back."""
 
 import pytest
 import torch
@@ -24,26 +24,53 @@ def _engine(cfg, dtype, **kw):
     return Engine(model, EngineConfig(num_kv_blocks=400, max_batched_tokens=256, **kw), log=lambda *_: None)
 
 
+def _count_replays(engine) -> dict:
+    """Counts of the runner's steps by kind: target or drafter, replayed or eager, and verifications replayed."""
+    runner, run, counts = engine.runner, engine.runner.run, {}
+
+    def counted(hb, src=None):
+        key = runner.graph_key(hb)
+        kind = ("drafter" if hb.hidden_rows is not None else "target") + ("_graph" if key is not None else "_eager")
+        counts[kind] = counts.get(kind, 0) + 1
+        if key is not None and hb.hidden_rows is None and len(hb.ids) > len(set(hb.block_tables[:, 0].tolist())):
+            counts["verify_graph"] = counts.get("verify_graph", 0) + 1  # more rows than requests: drafts verified
+        return run(hb, src)
+
+    runner.run = counted
+    return counts
+
+
 @pytest.mark.parametrize("cfg", [GQA, dict(MLA, first_k_dense_replace=3)], ids=["gqa", "mla"])
-def test_speculation_gives_the_plain_greedy_tokens_fp32(cfg):
-    prompts = [p + p for p in _prompts(8, cfg["vocab_size"])]  # repeated passages: prompt lookup has drafts
+@pytest.mark.parametrize("batch", [1, 8])
+def test_graphed_speculation_gives_the_plain_greedy_tokens_fp32(cfg, batch):
+    prompts = [p + p for p in _prompts(8, cfg["vocab_size"])][:batch]  # repeated passages: prompt lookup has drafts
     plain = [r.output_ids for r in _engine(cfg, torch.float32).generate(prompts, GREEDY)]
     for kw in (dict(speculative="ngram", num_speculative_tokens=3, ngram_min=1),
                dict(speculative="mtp", num_speculative_tokens=3)):
         engine = _engine(cfg, torch.float32, **kw)
-        replays = []
-        run = engine.runner.run
-        engine.runner.run = lambda hb, src=None: (replays.append(engine.runner.graph_key(hb) is not None),
-                                                  run(hb, src))[1]
+        assert engine.runner.graphs and bool(engine.runner.mtp_graphs) == (kw["speculative"] == "mtp"), kw
+        counts = _count_replays(engine)
         assert [r.output_ids for r in engine.generate(prompts, GREEDY)] == plain, kw
         assert engine.drafter.stats.num_draft_tokens > 0 and engine.pool.num_used == 0
-        assert any(replays) == (kw["speculative"] == "ngram"), kw  # mtp captures no graphs
+        assert counts.get("verify_graph", 0) > 0, (kw, counts)
+        if kw["speculative"] == "mtp":
+            assert counts.get("drafter_graph", 0) > 0, counts
+
+
+def test_graphed_mtp_speculation_gives_the_eager_tokens_fp32():
+    """The same engine's steps with and without the graphs: the same tokens (the graphs hold the same kernels)."""
+    prompts = [p + p for p in _prompts(4, MLA["vocab_size"], seed=5)]
+    kw = dict(speculative="mtp", num_speculative_tokens=2)
+    eager = [r.output_ids for r in _engine(MLA, torch.float32, enforce_eager=True, **kw).generate(prompts, GREEDY)]
+    graphed = [r.output_ids for r in _engine(MLA, torch.float32, **kw).generate(prompts, GREEDY)]
+    assert graphed == eager
 
 
 def test_mtp_speculation_in_bf16_with_moe_runs_within_its_memory():
     prompts = _prompts(16, MLA["vocab_size"], seed=3)
     engine = _engine(MLA, torch.bfloat16, speculative="mtp", num_speculative_tokens=2)
+    counts = _count_replays(engine)
     reqs = engine.generate(prompts, GREEDY)
     assert all(len(r.output_ids) == GREEDY.max_tokens for r in reqs)
     assert engine.drafter.stats.num_draft_tokens > 0 and engine.pool.num_used == 0
-    assert not engine.runner.graphs
+    assert engine.runner.mtp_graphs and counts.get("drafter_graph", 0) > 0, counts

@@ -135,25 +135,27 @@ class Engine:
             self.drafter = make_drafter(cfg)
             log(f"speculative decoding: {cfg.speculative}, {cfg.spec_tokens} draft token(s) a step"
                 + (f", n-grams of {cfg.ngram_range[0]}..{cfg.ngram_range[1]} tokens" if cfg.speculative == "ngram"
-                   else ", steps eager (the drafter reads the target's hidden states)"))
+                   else ""))
         refusal = kv_fp8.refusal(cfg.kv_cache_dtype, self.device)
         if refusal:
             raise UserError(refusal)
         # Attention's tp (the runner's model's), not the replica's ranks: under --ep with tp 1 the cache is whole.
         self.shape = CacheShape.of(self.args, self.runner.tp, mtp_layers=int(mtp), fp8=cfg.kv_cache_dtype == "fp8")
-        # The MTP drafter reads every target step's hidden states: its engine's steps run eagerly.
-        self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager and not mtp
+        # With the MTP drafter the decode graphs keep the target's hidden states, and its own steps have graphs too.
+        self.use_graphs = self.platform.cuda_graphs and not cfg.enforce_eager
         self.report = self._size_cache()
         self.runner.allocate_cache(self.report.num_blocks, self.shape)
         if self.use_graphs:
             t0 = time.perf_counter()
             try:
-                self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths())
+                self.runner.capture_graphs(self._graph_batch_sizes(), self._graph_widths(), mtp=mtp)
             except RuntimeError as e:  # a kernel that cannot be captured: run eagerly, and say so
                 self.runner.graphs.clear()
+                self.runner.mtp_graphs.clear()
+                self.runner._h_in = self.runner._h_out = None
                 log(f"warning: CUDA graphs off, decode runs eagerly ({str(e).splitlines()[0][:160]})")
             self.report.extra["graphs_s"] = time.perf_counter() - t0
-            self.report.extra["graphs"] = len(self.runner.graphs)
+            self.report.extra["graphs"] = len(self.runner.graphs) + len(self.runner.mtp_graphs)
         if "allocator_fraction" in self.report.extra:
             # From here on the allocator is held to the share: past it, it releases cached blocks and retries
             # instead of growing. Set after the pool and the graphs exist: blocks the build left cached would count
@@ -200,8 +202,9 @@ class Engine:
             # The CUDA graphs' private pool keeps the largest decode forward's workspace for the engine's life (and
             # their logits buffer sits beside it), while an eager step or the sampler allocates on top: both are
             # held back from the KV pool.
-            graphs = (decode_ws + cfg.max_num_seqs * self.args.vocab_size * self.runner.dtype.itemsize
-                      if self.use_graphs else 0)
+            # With MTP: the hidden-state buffers of the drafter's graphs (in and out) too.
+            graphs = (decode_ws + max_decode_rows(cfg) * (self.args.vocab_size + 2 * self.args.dim * mtp)
+                      * self.runner.dtype.itemsize if self.use_graphs else 0)
             # The caching allocator's rounding and fragmentation (config.ALLOCATOR_FRACTION): without it
             # the reserved memory of a long run creeps past the limit even when the allocated memory does not.
             budget = (total * cfg.gpu_memory_utilization - non_torch - peak - (peak - weights) * 0.1 - graphs
@@ -260,7 +263,7 @@ class Engine:
         torch.cuda.reset_peak_memory_stats()
         # Block tables as wide as max_model_len allows: the decode kernels' split-KV workspace grows with the width,
         # and the widest CUDA graph keeps that workspace for as long as the engine lives.
-        B, M = cfg.max_num_seqs, math.ceil(self.max_model_len / bs)
+        B, M = max_decode_rows(cfg), math.ceil(self.max_model_len / bs)
         hb = HostBatch(np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64), B,
                        np.zeros((B, M), np.int32), np.ones(B, np.int32), [], np.zeros(0, np.int64), np.arange(B),
                        lora(B))
@@ -276,8 +279,12 @@ class Engine:
         return prefill_peak, decode_peak, sample_peak
 
     def _graph_batch_sizes(self) -> list[int]:
+        """Decode rows to capture: up to max_num_seqs, or under speculative decoding up to max_num_seqs x (K + 1)
+        (max_decode_rows): 1, 2, 4, 8, then every 16 to 256, every 32 to 1024, and the most rows (planner/infer.py's
+        graph_batch keeps a copy of this list)."""
+        rows = max_decode_rows(self.cfg) if getattr(self.cfg, "speculative", None) else self.cfg.max_num_seqs
         sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
-        return [s for s in sizes if s < self.cfg.max_num_seqs] + [self.cfg.max_num_seqs]
+        return [s for s in sizes if s < rows] + [rows]
 
     def _graph_widths(self) -> list[int]:
         """Block-table widths to capture: the decode kernel's grid grows with the width, so short contexts get a
@@ -424,6 +431,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.items:
             return []
+        plan.items = rows_first(plan.items)
         hb, _ = self._host_batch(plan)
         hb.keep_hidden = self.drafter.keeps_hidden
         logits = self._forward(hb)
@@ -576,24 +584,35 @@ class Engine:
         return None
 
     def _host_batch(self, plan: StepPlan) -> tuple[HostBatch, np.ndarray]:
-        """The step's int arrays (decodes, the leading one-token items, then prefill chunks), and for each decode row
-        the row of the previous step's sampled tokens that is its input when that token is still on the device (its
-        placeholder, -1 in token_ids), else -1."""
+        """The step's int arrays (the leading row items -- decodes, one-token chunks and verifications -- as decode
+        rows, then prefill chunks), and for each decode row the row of the previous step's sampled tokens that is its
+        input when that token is still on the device (its placeholder, -1 in token_ids), else -1.
+
+        A verification (infer/spec.py: the last known token, then the drafts) is K + 1 decode rows, row j the token
+        at position start + j with a context of start + j + 1 over the request's block table: every row's K/V is
+        written before attention reads any, so row j attends to the drafts before it and to none after (the same
+        causal attention as a chunk), and the step is decode-only, which the CUDA graphs replay."""
         bs = self.cfg.block_size
         items = plan.items
-        nd = 0
-        while nd < len(items) and items[nd].n == 1:
-            nd += 1
-        ids, pos, src, blocks, logits_idx = [], [], [], [], []
-        for i, s in enumerate(items[:nd]):
+        n_row_items = 0
+        while n_row_items < len(items) and is_row_item(items[n_row_items]):
+            n_row_items += 1
+        ids, pos, src, blocks, logits_idx, lora_d = [], [], [], [], [], []
+        for s in items[:n_row_items]:
             req, p = s.request, s.start
             tok = req.token_ids[p]
             ids.append(tok)
             src.append(req.sample_row if tok < 0 else -1)
-            pos.append(p)
-            blocks.append(req.blocks)
-            if s.sample:
-                logits_idx.append(i)
+            ids += req.drafts[:s.num_drafts]
+            src += [-1] * s.num_drafts
+            pos += range(p, p + s.n)
+            blocks += [req.blocks] * s.n
+            lora_d += [req.lora_slot] * s.n
+            if s.num_drafts:  # the verification reads every row (infer/spec.py)
+                logits_idx.extend(range(len(ids) - s.n, len(ids)))
+            elif s.sample:
+                logits_idx.append(len(ids) - 1)
+        nd = len(ids)
         # Block tables in one pass: every row's blocks flattened, then spread into the rows (row-major order).
         n_blocks = np.fromiter(map(len, blocks), np.int64, nd)
         M = int(n_blocks.max()) if nd else 1
@@ -604,7 +623,7 @@ class Engine:
         ctx = (pos_d + 1).astype(np.int32)
         ids_np, pos_np, slots_np = [np.asarray(ids, np.int64)], [pos_d], [slots_d]
         lens, k_slots, row = [], [], nd
-        for s in items[nd:]:
+        for s in items[n_row_items:]:
             req = s.request
             blocks = np.asarray(req.blocks, dtype=np.int64)
             p = np.arange(s.start, s.start + s.n)
@@ -616,15 +635,15 @@ class Engine:
             k_slots.append(blocks[ctx_p // bs] * bs + ctx_p % bs)
             lens.append((s.n, s.start + s.n))
             row += s.n
-            if s.num_drafts:  # the verification reads every row (infer/spec.py)
+            if s.num_drafts:  # a verification laid out as a chunk (after a prefill chunk: see rows_first)
                 logits_idx.extend(range(row - s.n, row))
             elif s.sample:
                 logits_idx.append(row - 1)
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
         lora = None
         if self.loras is not None:  # each token's adapter slot (-1: the base model)
-            lora = cat([np.asarray([s.request.lora_slot for s in items[:nd]], np.int64)]
-                       + [np.full(s.n, s.request.lora_slot, np.int64) for s in items[nd:]])
+            lora = cat([np.asarray(lora_d, np.int64)]
+                       + [np.full(s.n, s.request.lora_slot, np.int64) for s in items[n_row_items:]])
         hb = HostBatch(cat(ids_np), cat(pos_np), cat(slots_np), nd, bt, ctx, lens, cat(k_slots),
                        np.asarray(logits_idx, dtype=np.int64), lora)
         return hb, np.asarray(src, dtype=np.int64)
@@ -741,6 +760,23 @@ class Engine:
                                      if r.lora_slot in self.loras.by_slot})
         return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting),
                 "max_loras": self.cfg.max_loras}
+
+
+def is_row_item(s: Scheduled) -> bool:
+    """A plan item laid out as decode rows (one query token each): a decode or one-token chunk, or a verification."""
+    return s.n == 1 or s.num_drafts > 0
+
+
+def rows_first(items: list[Scheduled]) -> list[Scheduled]:
+    """The plan's items with the row items first (the scheduler puts verifications among the prefill chunks), in
+    their order otherwise: a speculative step's rows, logits and drafter inputs all follow this order."""
+    return [s for s in items if is_row_item(s)] + [s for s in items if not is_row_item(s)]
+
+
+def max_decode_rows(cfg: EngineConfig) -> int:
+    """The most decode rows a step can have: one per sequence, K + 1 per verifying sequence under speculative
+    decoding (bounded by the step's token budget)."""
+    return min(cfg.max_num_seqs * (1 + cfg.spec_tokens), max(cfg.max_num_seqs, cfg.max_batched_tokens))
 
 
 def no_mtp_module(what: str) -> str:

@@ -2,7 +2,8 @@
 and the paged cache it reads and writes.
 
 Decode-only steps replay CUDA graphs captured per (batch bucket, block-table width) that hold the whole step, input
-patching and greedy sampling included; everything else runs eagerly.
+patching and greedy sampling included; everything else runs eagerly. A speculative verification is decode rows too
+(the engine lays a request's last token and K drafts out as K + 1 rows), so its steps replay the same graphs.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class ModelRunner:
         self.vocab_size = self.args.vocab_size
         model.set_positions(max_model_len)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mtp_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # the MTP drafter's
+        self._h_in = self._h_out = None  # with MTP graphs: the drafter graphs' input and every graph's output hidden
         self.graph_batch_sizes: list[int] = []
         self.tokens: torch.Tensor | None = None  # the last step's sampled tokens on the device ([n_sample] int64)
         self._tok: torch.Tensor | None = None  # with graphs: the static buffer `tokens` lives in
@@ -153,8 +156,10 @@ class ModelRunner:
     # ---- CUDA graphs ------------------------------------------------------------------------------------------------
     def graph_key(self, b: HostBatch) -> tuple[int, int] | None:
         """The captured graph that can run this step: decode-only, batch padded up to a captured size, block tables
-        padded up to a captured width."""
-        if not self.graphs or b.n_decode != len(b.ids) or len(b.logits_idx) != b.n_decode or b.keep_hidden:
+        padded up to a captured width. A target step that keeps its hidden states, or an MTP drafter step, needs the
+        MTP graphs (capture_graphs(mtp=True)); its key is then one of `mtp_graphs` for a drafter step."""
+        mtp = b.keep_hidden or b.hidden_rows is not None
+        if not self.graphs or b.n_decode != len(b.ids) or (mtp and self._h_out is None):
             return None
         i = bisect.bisect_left(self.graph_batch_sizes, b.n_decode)
         if i == len(self.graph_batch_sizes):
@@ -177,13 +182,28 @@ class ModelRunner:
         sb, src = self._graph_inputs(bsz, m)
         # Rows whose input token is still on the device take it from the previous step's tokens.
         sb.input_ids = torch.where(src >= 0, self._tok[src.clamp(min=0)], sb.input_ids)
-        logits = self.forward(sb, self._logits[:bsz])
+        if self._h_out is None:
+            logits = self.forward(sb, self._logits[:bsz])
+        else:  # the last block's output kept for the MTP drafter
+            x_NE = self.model.trunk(sb, self.cache)
+            self._h_out[:bsz].copy_(x_NE)
+            logits = self.model.head(x_NE, sb, self._logits[:bsz])
         torch.argmax(logits, dim=-1, out=self._tok[:bsz])
         return logits
 
+    def _mtp_graph_step(self, bsz: int, m: int) -> torch.Tensor:
+        """The MTP drafter over decode rows: input hidden states from _h_in (gathered before the replay), its
+        output into _h_out (the next draft's input)."""
+        sb, _ = self._graph_inputs(bsz, m)
+        logits, x_NE = self.model.forward_mtp(sb, self.cache, self._h_in[:bsz])
+        self._h_out[:bsz].copy_(x_NE)
+        return self._logits[:bsz].copy_(logits)
+
     @torch.no_grad()
-    def capture_graphs(self, batch_sizes: list[int], widths: list[int]) -> None:
-        """Capture the decode step for each (batch size, block-table width), largest first, sharing one memory pool."""
+    def capture_graphs(self, batch_sizes: list[int], widths: list[int], mtp: bool = False) -> None:
+        """Capture the decode step for each (batch size, block-table width), largest first, sharing one memory pool.
+        `mtp`: the decode steps also keep their hidden states (in _h_out), and the MTP drafter's step over decode
+        rows is captured for the same keys."""
         bmax, wmax, dev = max(batch_sizes), max(widths), self.device
         # A fifth int64 field with adapters (infer/lora.py): each row's slot, -1 the base; the graphs always apply them.
         self._fields = 5 if self.model.lora is not None else 4
@@ -197,15 +217,20 @@ class ModelRunner:
         self._flip = 0
         pool = torch.cuda.graph_pool_handle()
         self._logits = torch.empty((bmax, self.vocab_size), dtype=self.dtype, device=dev)
+        if mtp:
+            self._h_in, self._h_out = (torch.zeros((bmax, self.args.dim), dtype=self.dtype, device=dev)
+                                       for _ in range(2))
+        steps = [(self.graphs, self._graph_step)] + ([(self.mtp_graphs, self._mtp_graph_step)] if mtp else [])
         for m in sorted(widths, reverse=True):
             for bsz in sorted(batch_sizes, reverse=True):
-                self._fill(bsz, m, None)  # a valid step: padding rows throughout
-                self._graph_step(bsz, m)  # warm-up: kernels compiled, workspaces sized, outside capture
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self._graph_step(bsz, m)
-                self.graphs[(bsz, m)] = (g, out)
+                for graphs, step in steps:
+                    self._fill(bsz, m, None)  # a valid step: padding rows throughout
+                    step(bsz, m)  # warm-up: kernels compiled, workspaces sized, outside capture
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        out = step(bsz, m)
+                    graphs[(bsz, m)] = (g, out)
         self.graph_batch_sizes, self._widths = sorted(batch_sizes), sorted(widths)
         torch.cuda.synchronize()
 
@@ -239,13 +264,16 @@ class ModelRunner:
     def run(self, hb: HostBatch, src=None) -> torch.Tensor:
         """The step's logits. `src`: for each decode row, the row of `self.tokens` (a previous step's sampled tokens,
         still on the device) that is its input token, or -1 (its token is hb.ids[row])."""
-        if hb.hidden_rows is not None:  # the MTP drafter (eager)
-            self._replayed = 0
-            b = hb.to_device(self.device)
-            h_NE = self.hidden_NE.index_select(0, _to_device(torch.from_numpy(np.asarray(hb.hidden_rows)), self.device))
-            logits, self.hidden_NE = self.model.forward_mtp(b, self.cache, h_NE)
-            return logits
         key = self.graph_key(hb)
+        if hb.hidden_rows is not None:  # the MTP drafter
+            self._replayed = 0
+            rows = _to_device(torch.from_numpy(np.asarray(hb.hidden_rows, dtype=np.int64)), self.device)
+            if key is None:
+                b = hb.to_device(self.device)
+                logits, self.hidden_NE = self.model.forward_mtp(b, self.cache, self.hidden_NE.index_select(0, rows))
+                return logits
+            torch.index_select(self.hidden_NE, 0, rows, out=self._h_in[:len(rows)])
+            return self._replay(self.mtp_graphs, key, hb, None)
         if key is None:
             self._replayed = 0
             b = hb.to_device(self.device)
@@ -255,12 +283,24 @@ class ModelRunner:
                 self.hidden_NE = self.model.trunk(b, self.cache)
                 return self.model.head(self.hidden_NE, b)
             return self.forward(b)
+        return self._replay(self.graphs, key, hb, src)
+
+    def _replay(self, graphs: dict, key: tuple[int, int], hb: HostBatch, src) -> torch.Tensor:
+        """Replay graph `key` on the step; its logits of the rows hb.logits_idx (every row: a view of the graph's
+        output, whose greedy tokens the graph computed)."""
         bsz, m = key
         self._fill(bsz, m, hb, src)
-        g, out = self.graphs[key]
+        g, out = graphs[key]
         g.replay()
-        self._replayed = hb.n_decode
-        return out[:hb.n_decode]
+        n = hb.n_decode
+        if self._h_out is not None:
+            self.hidden_NE = self._h_out[:n]
+        idx = np.asarray(hb.logits_idx)
+        if len(idx) == n and (idx == np.arange(n)).all():
+            self._replayed = n if graphs is self.graphs else 0
+            return out[:n]
+        self._replayed = 0
+        return out.index_select(0, _to_device(torch.from_numpy(idx.astype(np.int64)), self.device))
 
 
 def _to_device(x: torch.Tensor, device) -> torch.Tensor:

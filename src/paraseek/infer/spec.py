@@ -3,8 +3,10 @@ forward, and the step delivers the accepted drafts plus one token of the target'
 Inference from Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding
 with Speculative Sampling").
 
-Verification. A drafting request's step is one chunk of K + 1 tokens over its paged context (the last known token,
-then the drafts: scheduler.Scheduled.num_drafts), through the prefill-chunk path, with logits for every row: row j
+Verification. A drafting request's step is K + 1 tokens over its paged context (the last known token, then the
+drafts: scheduler.Scheduled.num_drafts), laid out as K + 1 decode rows (engine._host_batch: row j at position
+start + j with a context of start + j + 1, causal as a chunk, and replayed by the decode CUDA graphs when the step
+is decode-only), with logits for every row: row j
 is the target's distribution p_j of the token after draft j (after the request's own transforms: masks, penalties
 that count drafts 1..j as output, temperature, top-k/p, min-p, exactly as plain sampling, sampling.distributions).
   - greedy: drafts are accepted while each equals the target's argmax at its position; the next token is the
@@ -32,8 +34,10 @@ The KV cache: the K + 1 positions write their K/V; the accepted prefix counts as
 slot is simply rewritten later. After the step a request keeps the blocks its next drafts need; blocks that held
 only rejected positions go back to the pool. No block holding an unverified token is ever registered in the prefix
 cache (registration stops at the last known token). Speculative steps are synchronous (the next drafts need the
-accepted tokens on the host) and, with the MTP drafter, eager (its input is every row's hidden state); plain decode
-steps of an ngram engine that has nothing to draft keep their CUDA graphs.
+accepted tokens on the host). CUDA graphs: a step without prefill chunks (verifications and decodes, all decode rows)
+replays the decode graph of its row count; with the MTP drafter those graphs also keep the last block's output, and
+the drafter's steps (each position a decode row, its hidden state gathered from the kept output before the replay)
+replay graphs of their own (runner.capture_graphs(mtp=True)).
 """
 
 from __future__ import annotations
@@ -297,7 +301,7 @@ class MtpDrafter(Drafter):
         if not segs:
             return
         want = {id(r) for r in drafting}
-        hb, order = _drafter_batch(segs, engine.cfg.block_size, want)
+        hb, order = _drafter_batch(segs, engine.cfg.block_size, want, self.k + 1)
         logits_SV = engine._forward(hb)
         out_rows = {id(g.req): r for g, r in zip(order, _last_rows(order))}
         live = [g.req for g in order if id(g.req) in want]
@@ -312,7 +316,7 @@ class MtpDrafter(Drafter):
             if not live:
                 break
             segs = [_Segment(r, r.num_computed + len(r.drafts) - 1, [r.drafts[-1]], [out_rows[id(r)]]) for r in live]
-            hb, order = _drafter_batch(segs, engine.cfg.block_size, {id(r) for r in live})
+            hb, order = _drafter_batch(segs, engine.cfg.block_size, {id(r) for r in live}, self.k + 1)
             logits_SV = engine._forward(hb)
             out_rows = {id(g.req): r for g, r in zip(order, _last_rows(order))}
             live = [g.req for g in order]
@@ -339,8 +343,7 @@ class MtpDrafter(Drafter):
 
 
 def _last_rows(order: list[_Segment]) -> list[int]:
-    """The row of each segment's last position in a drafter batch built by _drafter_batch (one-row segments
-    first)."""
+    """The row of each segment's last position in a drafter batch built by _drafter_batch."""
     out, row = [], 0
     for g in order:
         row += len(g.ids)
@@ -348,39 +351,43 @@ def _last_rows(order: list[_Segment]) -> list[int]:
     return out
 
 
-def _drafter_batch(segs: list[_Segment], bs: int, want: set[int]):
-    """The drafter's forward over the segments (the engine's step layout: one-row segments as decode rows, then
-    chunks over each request's whole context in the drafter's cache layer), with logits at the last row of each
-    segment whose request is in `want`. Returns (HostBatch, the segments in row order)."""
+def _drafter_batch(segs: list[_Segment], bs: int, want: set[int], max_rows: int):
+    """The drafter's forward over the segments, with logits at the last row of each segment whose request is in `want`.
+    A segment of up to `max_rows` positions (a verified step's, K + 1 at most, or one further draft) is decode rows
+    over the request's block table in the drafter's cache layer (the row at position p: a context of p + 1, causal
+    within the segment as a chunk; a step of decode rows alone replays the MTP graphs); a longer one (a prefill
+    chunk's) is a chunk over its whole context, after the rows: per-row contexts would read its context once a row.
+    Returns (HostBatch, the segments in row order)."""
     from paraseek.infer.runner import HostBatch
 
-    order = [g for g in segs if len(g.ids) == 1] + [g for g in segs if len(g.ids) > 1]
-    nd = sum(len(g.ids) == 1 for g in order)
-    M = max([len(g.req.blocks) for g in order[:nd]], default=1)
+    order = [g for g in segs if len(g.ids) <= max_rows] + [g for g in segs if len(g.ids) > max_rows]
+    rows = [g for g in order if len(g.ids) <= max_rows]
+    nd = sum(len(g.ids) for g in rows)
+    M = max([len(g.req.blocks) for g in rows], default=1)
     bt = np.zeros((nd, M), dtype=np.int32)
     ids, pos, slots, hidden, lens, k_slots, logits_idx = [], [], [], [], [], [], []
-    ctx = np.zeros(nd, dtype=np.int32)
     row = 0
-    for i, g in enumerate(order):
+    for g in order:
+        k = len(g.ids)
         blocks = np.asarray(g.req.blocks, dtype=np.int64)
-        p = np.arange(g.start, g.start + len(g.ids))
+        p = np.arange(g.start, g.start + k)
         ids += g.ids
         hidden += g.hidden
         pos.append(p)
         slots.append(blocks[p // bs] * bs + p % bs)
-        if i < nd:
-            bt[i, :len(blocks)] = blocks
-            ctx[i] = g.start + 1
+        if row < nd:
+            bt[row:row + k, :len(blocks)] = blocks
         else:
-            c = np.arange(g.start + len(g.ids))
+            c = np.arange(g.start + k)
             k_slots.append(blocks[c // bs] * bs + c % bs)
-            lens.append((len(g.ids), g.start + len(g.ids)))
-        row += len(g.ids)
+            lens.append((k, g.start + k))
+        row += k
         if id(g.req) in want:
             logits_idx.append(row - 1)
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    hb = HostBatch(np.asarray(ids, np.int64), cat(pos), cat(slots), nd, bt, ctx, lens, cat(k_slots),
-                   np.asarray(logits_idx, np.int64), hidden_rows=np.asarray(hidden, np.int64))
+    pos_N = cat(pos)
+    hb = HostBatch(np.asarray(ids, np.int64), pos_N, cat(slots), nd, bt, (pos_N[:nd] + 1).astype(np.int32), lens,
+                   cat(k_slots), np.asarray(logits_idx, np.int64), hidden_rows=np.asarray(hidden, np.int64))
     return hb, order
 
 
