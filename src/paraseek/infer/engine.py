@@ -203,6 +203,7 @@ class Engine:
             # their logits buffer sits beside it), while an eager step or the sampler allocates on top: both are
             # held back from the KV pool.
             # With MTP: the hidden-state buffers of the drafter's graphs (in and out) too.
+            mtp = cfg.speculative == "mtp"
             graphs = (decode_ws + max_decode_rows(cfg) * (self.args.vocab_size + 2 * self.args.dim * mtp)
                       * self.runner.dtype.itemsize if self.use_graphs else 0)
             # The caching allocator's rounding and fragmentation (config.ALLOCATOR_FRACTION): without it

@@ -43,8 +43,8 @@ def _check(ns: argparse.Namespace) -> None:
     for mod in ("fastapi", "uvicorn", "pydantic", "prometheus_client"):
         try:
             __import__(mod)
-        except ImportError:
-            raise UserError(f"paraseek serve needs {mod}: pip install 'paraseek[serve]'") from None
+        except ImportError as e:  # the cause too: an installed package whose own dependency is missing reads the same
+            raise UserError(f"paraseek serve needs {mod} ({e}): pip install 'paraseek[serve]'") from None
 
 
 def _origins(text: str | None) -> list[str] | None:
