@@ -44,7 +44,7 @@ def _inputs(N, I, rows, L, R, dtype, seed=0):
         rank = max(R - slot, 1)
         a_PLRI[:, slot, rank:] = 0
         b_OLR[:, slot, rank:] = 0
-    idx_N = torch.arange(N) % (L + 1) - 1
+    idx_N = (torch.arange(N) + 1) % (L + 1) - 1  # slot 0 first: one token is always on an adapter, the base from N > L
     idx_N = idx_N[torch.randperm(N, generator=g)]
     x = torch.randn(N, I, generator=g)
     y = torch.randn(N, O, generator=g)
@@ -125,7 +125,7 @@ def test_latent_kernels_equal_the_torch_path(n, N, H, nope, V, C, L, R, dtype):
     lat = LatentLoRA(slots, 0, H, nope, V, C, lambda t: t)
     lat.a_XC.copy_((torch.randn(L * R, C, generator=g) / C ** 0.5).to(**on))
     lat.b_OX.copy_(torch.randn(H * (nope + V), L * R, generator=g).to(**on))
-    idx_N = (torch.arange(N) % (L + 1) - 1)[torch.randperm(N, generator=g)].to(DEVICE)
+    idx_N = ((torch.arange(N) + 1) % (L + 1) - 1)[torch.randperm(N, generator=g)].to(DEVICE)  # N = 1: on slot 0
     slots.begin(SimpleNamespace(lora=idx_N))
     q_NHX = torch.randn(N, H, nope + 32, generator=g).to(**on)
     q_lat = torch.randn(H, n, C, generator=g).to(**on)
