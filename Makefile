@@ -23,7 +23,7 @@ test: $(STAMP)
 
 # Before each commit: single-process CPU tests (no multi-process, server or GPU tests).
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not dist" tests/unit
+	$(PY) -m pytest -q -m "not gpu and not dist" $(XDIST) tests/unit
 
 # On the GPU machine: the CUDA-only tests and measurements.
 test-gpu: $(STAMP)
