@@ -14,12 +14,16 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 demo: $(STAMP)
 	$(PY) -m paraseek demo
 
+# Two workers when pytest-xdist is installed (the test extra; tests/conftest.py keeps a test file, and all of
+# tests/serve, on one worker); serially where it is not (the GPU machine has no network to install it).
+XDIST = $$($(PY) -c 'import xdist; print("-n 2 --dist loadgroup")' 2>/dev/null)
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" --durations=25 tests
+	$(PY) -m pytest -q -m "not gpu" --durations=25 $(XDIST) tests
 
 # Before each commit: single-process CPU tests (no multi-process, server or GPU tests).
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not dist" tests/unit
+	$(PY) -m pytest -q -m "not gpu and not dist" $(XDIST) tests/unit
 
 # On the GPU machine: the CUDA-only tests and measurements.
 test-gpu: $(STAMP)
