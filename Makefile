@@ -18,12 +18,15 @@ demo: $(STAMP)
 # tests/serve, on one worker); serially where it is not (the GPU machine has no network to install it).
 XDIST = $$($(PY) -c 'import xdist; print("-n 2 --dist loadgroup")' 2>/dev/null)
 
+# Everything on CPU, in two tiers whose times pytest prints: the unit tier, then the rest (multi-process, server,
+# CLI and end-to-end tests) with the 25 slowest tests listed.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" --durations=25 $(XDIST) tests
+	$(PY) -m pytest -q -m "unit and not gpu" $(XDIST) tests
+	$(PY) -m pytest -q -m "not unit and not gpu" --durations=25 $(XDIST) tests
 
 # Before each commit: single-process CPU tests (no multi-process, server or GPU tests).
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not dist" $(XDIST) tests/unit
+	$(PY) -m pytest -q -m "unit and not gpu" $(XDIST) tests
 
 # On the GPU machine: the CUDA-only tests and measurements.
 test-gpu: $(STAMP)

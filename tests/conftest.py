@@ -14,10 +14,14 @@ if _WORKERS > 1:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Groups for `pytest -n N --dist loadgroup`: one worker runs a whole test file (its module fixtures are built once),
-    and one worker runs all of tests/serve (the servers its conftest shares between files start once)."""
+    """The `unit` tier: tests/unit's single-process tests (`make test-unit`; `make test` runs them first, then the
+    rest). Groups for `pytest -n N --dist loadgroup`: one worker runs a whole test file (its module fixtures are built
+    once), and one worker runs all of tests/serve (the servers its conftest shares between files start once)."""
     import pytest
 
+    for item in items:
+        if "/tests/unit/" in item.path.as_posix() and item.get_closest_marker("dist") is None:
+            item.add_marker(pytest.mark.unit)
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
