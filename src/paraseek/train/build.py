@@ -20,6 +20,7 @@ from paraseek.models.lora_spec import LoRASpec
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
+from paraseek.planner.memory import layer_cost, model_terms, partition
 from paraseek.train import mtp as mtp_flags
 from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint
 from paraseek.train.config import TrainConfig
@@ -58,7 +59,8 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
     dims = mesh.dims
     specs, stage_ids = None, [0]
     if dims.pp > 1:
-        specs = stage_specs(args, cfg.seq_len, dims.n_stages)
+        t = model_terms(args, cfg.seq_len)
+        specs = stage_specs(partition(t, dims.n_stages), [layer_cost(t, i) for i in range(args.n_layers)])
         stage_ids = rank_stages(mesh.pp_rank, dims.pp, dims.pp_virtual_stages, dims.pp_schedule)
         parts = [build_stage(args, specs[sid]) for sid in stage_ids]
     else:

@@ -217,6 +217,25 @@ def float8_all_gather(d: ParallelDims, fp8: str) -> bool:
     return fp8 == "tensorwise" and not d.ddp and d.dp_shard > 1 and d.tp == 1
 
 
+def rank_chunks(pp: int, v: int, schedule: str) -> list[list[int]]:
+    """Which model chunks each pp rank holds: looped (r, r+pp, ...) or the V shape of ZBVZeroBubble and DualPipeV
+    (r, 2pp-1-r)."""
+    if schedule in V_SCHEDULES:
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [[r + k * pp for k in range(v)] for r in range(pp)]
+
+
+def fp8_pays(recipe: str, k: int, n: int) -> bool:
+    """Whether a float8 GEMM of in_features k and out_features n beats bf16 under `recipe`, casts included: torchao's
+    thresholds from its H100 tables (torchao/float8 README, "Performance"; float8_linear_utils._auto_filter_for_*).
+    Below them the casts and scale reductions cost more than the faster GEMM saves: DeepSeek-V2-Lite's projections
+    (2048 wide) all in float8 rowwise ran 0.80x bf16 on one H200 (BENCHMARKS.md, FP8). parallel/fp8.py converts
+    only these; fp8_terms prices them."""
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))  # rowwise, and rowwise-gw-hp's same casts
+
+
 def _engine_problem(d: ParallelDims, cpu_offload: bool) -> str:
     """What the engine does not compose (yet)."""
     if d.tp > 1 and d.dp_shard == 1 and d.dp_replicate > 1:
