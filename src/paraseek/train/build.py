@@ -13,6 +13,7 @@ from torch import nn
 
 from paraseek.models import resolve_model
 from paraseek.models.args import ModelArgs
+from paraseek.models.checkpoint_read import latest_checkpoint
 from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
 from paraseek.models.lora import init_adapters, is_adapter
@@ -22,7 +23,7 @@ from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
 from paraseek.planner.memory import layer_cost, model_terms, partition
 from paraseek.train import mtp as mtp_flags
-from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint
+from paraseek.train.checkpoint import load_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader
 

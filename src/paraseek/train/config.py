@@ -415,7 +415,7 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
         cfg.model = cfg.init_from  # its config.json is the model
     if cfg.data != "synthetic" and not cfg.tokenizer:
         # The model's own tokenizer when --init-from has one; the header's first line names whichever it is.
-        from paraseek.train.data import BUNDLED_TOKENIZER
+        from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
         has_own = cfg.init_from and (Path(cfg.init_from) / "tokenizer.json").is_file()
         cfg.tokenizer = cfg.init_from if has_own else str(BUNDLED_TOKENIZER)
@@ -593,7 +593,7 @@ def config_toml(cfg: TrainConfig) -> str:
 
 def tokenizer_origin(cfg: TrainConfig) -> str:
     """Where the run's tokenizer came from, for the header line and error messages."""
-    from paraseek.train.data import BUNDLED_TOKENIZER
+    from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
     if cfg.init_from and cfg.tokenizer == cfg.init_from:
         return f"--init-from's {Path(cfg.init_from) / 'tokenizer.json'}"

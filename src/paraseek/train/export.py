@@ -33,8 +33,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
                       log=print) -> Path:
     import torch
 
-    from paraseek.infer.load import _checkpoint_step, _from_checkpoint, _load_checkpoint
     from paraseek.models import save_pretrained
+    from paraseek.models.checkpoint_read import checkpoint_source, checkpoint_step, load_checkpoint_model
 
     folder, out = Path(checkpoint), Path(out)
     if not folder.is_dir():
@@ -45,18 +45,18 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
             have = sorted(p.name for p in folder.glob("step-*") if (p / "trainer_state.json").is_file())
             raise UserError(f"{folder}: no complete checkpoint for step {step} (complete: {', '.join(have) or 'none'})")
     else:
-        step_dir = _checkpoint_step(folder)
+        step_dir = checkpoint_step(folder)
         if step_dir is None:
             raise UserError(f"{folder}: not a paraseek checkpoint folder (no step-N/trainer_state.json)")
     check_out_folder(out, overwrite=overwrite)
     if out.resolve() in (folder.resolve(), step_dir.resolve(), step_dir.resolve().parent):
         raise UserError(f"{out} is the checkpoint folder itself; write the HF folder somewhere else")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-    src = with_run_mtp_modules(_from_checkpoint(str(folder), step_dir, None), step_dir)
+    src = with_run_mtp_modules(checkpoint_source(str(folder), step_dir, None), step_dir)
     _check_lora_choice(src, step_dir, merge_lora, export_adapter)
     tok = model_tokenizer(src.tokenizer, src.args, src.chat_template) if src.tokenizer is not None else None
     if export_adapter:
-        from paraseek.infer.load import read_adapters
+        from paraseek.models.checkpoint_read import read_adapters
         from paraseek.models.lora import save_peft_adapter
 
         log(f"export: the LoRA adapters of {step_dir} ({dtype}) -> {out} (PEFT format, on the base {src.base}); "
@@ -68,7 +68,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
         return out
     merged = " with its LoRA adapters merged" if src.lora else ""
     log(f"export: {step_dir} ({src.args.model_type}, {dtype}){merged} -> {out}; tokenizer: {src.tokenizer_why}")
-    model = _load_checkpoint(src, torch.float32, "cpu").to(torch_dtype)
+    model = load_checkpoint_model(src, torch.float32, "cpu").to(torch_dtype)
     save_pretrained(model, out)
     if tok is not None:
         write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len, src.chat_template is not None)
