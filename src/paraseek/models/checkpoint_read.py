@@ -160,6 +160,17 @@ def checkpoint_source(spec: str, step: Path, tok: Path | None) -> ModelSource:
     return ModelSource("checkpoint", spec, args, step, tok, why, lora, folder, template)
 
 
+def with_run_mtp_modules(src, step_dir: Path):
+    """The checkpoint's model with the MTP modules its run held (train/mtp.py: --mtp-layers may have created some
+    beside, or without, those of the model it names), which its trainer state records."""
+    import dataclasses
+
+    n = json.loads((step_dir / "trainer_state.json").read_text()).get("mtp_modules")
+    if n is None or n == src.args.n_mtp_layers:
+        return src
+    return dataclasses.replace(src, args=src.args.replace(n_mtp_layers=n))
+
+
 def load_checkpoint_model(src: ModelSource, dtype, device, merge_lora: bool = True):
     """The checkpoint's model. A LoRA run's checkpoint holds the adapters only: they are put on its base folder's
     weights, merged into them (the plain model generate, serve and export run) or, with merge_lora=False, as LoRA

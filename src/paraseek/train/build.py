@@ -18,6 +18,7 @@ from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
 from paraseek.models.lora import init_adapters, is_adapter
 from paraseek.models.lora_spec import LoRASpec
+from paraseek.models.weights import held_mtp_modules
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
@@ -53,7 +54,7 @@ class Model:
 def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
     torch.manual_seed(cfg.seed)  # torch's global generator, for whatever draws from it (nothing in the model does)
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
-    held = mtp_flags.held_modules(args, cfg.init_from or None)
+    held = held_mtp_modules(args, cfg.init_from or None)
     depth = mtp_flags.depth_of(cfg.mtp_layers, held)
     args = mtp_flags.run_args(args, held, depth)
     lora = cfg.lora_for(args)

@@ -34,7 +34,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     import torch
 
     from paraseek.models import save_pretrained
-    from paraseek.models.checkpoint_read import checkpoint_source, checkpoint_step, load_checkpoint_model
+    from paraseek.models.checkpoint_read import (checkpoint_source, checkpoint_step, load_checkpoint_model,
+                                                   with_run_mtp_modules)
 
     folder, out = Path(checkpoint), Path(out)
     if not folder.is_dir():
@@ -75,17 +76,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
     else:
         log("export: the run trained on synthetic tokens and has no tokenizer; the folder holds the model only")
     return out
-
-
-def with_run_mtp_modules(src, step_dir: Path):
-    """The checkpoint's model with the MTP modules its run held (train/mtp.py: --mtp-layers may have created some
-    beside, or without, those of the model it names), which its trainer state records."""
-    import dataclasses
-
-    n = json.loads((step_dir / "trainer_state.json").read_text()).get("mtp_modules")
-    if n is None or n == src.args.n_mtp_layers:
-        return src
-    return dataclasses.replace(src, args=src.args.replace(n_mtp_layers=n))
 
 
 def _check_lora_choice(src, step_dir: Path, merge_lora: bool, export_adapter: bool) -> None:
