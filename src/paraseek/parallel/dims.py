@@ -1,8 +1,10 @@
 """The parallel plan's degrees (`ParallelDims`) and the one rule set that says whether `paraseek train` runs them.
 
 The planner describes plans, parallel/ and train/ realize them: `TrainConfig.dims` translates the flags into a
-ParallelDims, parallel/mesh.py builds its DeviceMesh, parallel/parallelize.py applies it, and the planner prices it
-(`planner.Plan` adds how each rank holds memory). `problem()` is the rule set: the CLI calls `check` before a process
+ParallelDims, parallel/mesh.py builds its DeviceMesh, parallel/parallelize.py applies it, and the planner, which
+imports it from here, prices it (`planner.Plan` adds how each rank holds memory). Beside it the pure rules both sides
+share: which chunks a pipeline rank holds (`rank_chunks`), and where float8 pays and gathers (`fp8_pays`,
+`float8_all_gather`). `problem()` is the rule set: the CLI calls `check` before a process
 is launched, the planner turns the same message into a rejection reason. Pure Python: neither imports torch for it.
 
 Mesh order, outermost (slowest-varying rank) first: pp, dp_replicate, dp_shard, tp; with expert parallelism dp_shard is

@@ -3,12 +3,13 @@ pp rank builds only its stages (on the meta device, before TP / checkpointing / 
 schedules runs the micro-batches.
 
 The cut: `planner.memory.partition` -- the same function the planner prices plans with, whose chunks and per-layer
-costs train/build.py passes in (parallel/ imports no planner) -- splits the layers into contiguous chunks that balance training FLOPs per token (dense and MoE layers, MLA and attention at this sequence
-length, the output head and its loss riding on the last chunk), not layer counts; a DeepSeek-V3 head costs about
-1.5 layers. The embedding computes nothing worth balancing and goes with the first chunk. V3's MTP modules live on
-the last stage, beside the head they share; when they train (--mtp-layers), every stage before the last passes the
-embedding's output on beside the hidden states ([h; embedding] on the last dim: two tensors' worth between stages),
-since the last stage holds no embedding, and the gradient of the MTP loss flows back to the embedding the same way.
+costs train/build.py passes in (parallel/ imports no planner) -- splits the layers into contiguous chunks that balance
+training FLOPs per token (dense and MoE layers, MLA and attention at this sequence length, the output head and its
+loss riding on the last chunk), not layer counts; a DeepSeek-V3 head costs about 1.5 layers. The embedding computes
+nothing worth balancing and goes with the first chunk. V3's MTP modules live on the last stage, beside the head they
+share; when they train (--mtp-layers), every stage before the last passes the embedding's output on beside the hidden
+states ([h; embedding] on the last dim: two tensors' worth between stages), since the last stage holds no embedding,
+and the gradient of the MTP loss flows back to the embedding the same way.
 
 Stage s of rank r: looped schedules give rank r the stages r, r + pp, r + 2pp, ... (`parallel.dims.rank_chunks`);
 ZBVZeroBubble gives it r and 2pp - 1 - r (the V shape). Each stage is a `Transformer` that keeps only its layers (the
