@@ -5,7 +5,7 @@ import random
 import shutil
 from pathlib import Path
 
-from paraseek.train.data import BUNDLED_TOKENIZER
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 WORDS = "the devil a dictionary of wit and wisdom in which every word is defined by its worst use".split()

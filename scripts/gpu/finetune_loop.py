@@ -64,7 +64,7 @@ def model_folder(name: str, preset: str, layers: int | None) -> str:
 
     from paraseek.models import build_model, save_pretrained
     from paraseek.models.args import ModelArgs, preset_config
-    from paraseek.train.data import BUNDLED_TOKENIZER
+    from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
     path = MODELS / name
     if (path / "tokenizer_config.json").exists():

@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     from paraseek.bench.serve import register as register_bench_serve
 
     register_bench_serve(sub)
+    for command in ("generate", "serve", "bench-infer"):  # their startup log's planner line; infer/ imports no planner
+        sub.choices[command].set_defaults(plan_kv_tokens=_planned_kv_tokens)
 
     demo = sub.add_parser("demo", help="the quick-start job (`make demo`): a short training run on the bundled corpus, "
                           "then text generated from its checkpoint",
@@ -190,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=0, help="optimizer steps (default 300 on CPU, 100 on GPU)")
     demo.set_defaults(func=cmd_demo)
     return p
+
+
+def _planned_kv_tokens(engine) -> int | None:
+    from paraseek.planner.infer import planned_kv_tokens  # on use: the planner loads only for a GPU engine
+
+    return planned_kv_tokens(engine)
 
 
 def main(argv: list[str] | None = None) -> int:

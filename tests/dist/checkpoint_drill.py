@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from paraseek.errors import UserError
-from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from paraseek.models.checkpoint_read import latest_checkpoint
+from paraseek.train.checkpoint import load_checkpoint, save_checkpoint
 
 WORLD = 2
 

@@ -205,8 +205,9 @@ def ep_fsdp(rank: int, world: int, root: Path, folder: str) -> dict:
     norm; an AdamW step (as the engine builds it); a DCP checkpoint written by each layout and read back by the next."""
     from paraseek.parallel.mesh import ParallelMesh
     from paraseek.parallel.parallelize import parallelize
-    from paraseek.planner.dims import ParallelDims
-    from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from paraseek.parallel.dims import ParallelDims
+    from paraseek.models.checkpoint_read import latest_checkpoint
+    from paraseek.train.checkpoint import load_checkpoint, save_checkpoint
     from paraseek.train.optim import clip_grad_norm
 
     ref_loss, ref_grads, _ = torch.load(Path(folder) / "reference.pt")

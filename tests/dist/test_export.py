@@ -23,9 +23,9 @@ def checkpoint(tmp_path_factory):
 
 
 def test_export_loads_in_transformers_with_the_training_tokenizer(checkpoint, tmp_path, capsys):
-    from paraseek.infer.load import _from_checkpoint, _load_checkpoint, _checkpoint_step
+    from paraseek.models.checkpoint_read import checkpoint_source, checkpoint_step, load_checkpoint_model
     from paraseek.models.tokenizer import load_text_tokenizer
-    from paraseek.train.data import BUNDLED_TOKENIZER
+    from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
     out = tmp_path / "hf"
     assert main(["export", str(checkpoint), str(out), "--dtype", "float32"]) == 0
@@ -39,8 +39,8 @@ def test_export_loads_in_transformers_with_the_training_tokenizer(checkpoint, tm
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (ours.bos_token_id, ours.eos_token_id)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    src = _from_checkpoint(str(checkpoint), _checkpoint_step(checkpoint), None)
-    model = _load_checkpoint(src, torch.float32, "cpu")
+    src = checkpoint_source(str(checkpoint), checkpoint_step(checkpoint), None)
+    model = load_checkpoint_model(src, torch.float32, "cpu")
     ids = torch.tensor([ours.encode(text)])
     with torch.no_grad():
         ref, got = model(ids), hf(input_ids=ids).logits

@@ -96,7 +96,7 @@ def test_fsdp2_equals_one_process_holds_only_adapters_and_resumes(reference, tmp
 
 
 def test_expert_parallel_equals_one_process(reference, tmp_path):
-    from paraseek.infer.load import _checkpoint_step, _from_checkpoint, _load_checkpoint
+    from paraseek.models.checkpoint_read import checkpoint_source, checkpoint_step, load_checkpoint_model
     from paraseek.models import load_pretrained
 
     root, init, ref = reference
@@ -105,10 +105,10 @@ def test_expert_parallel_equals_one_process(reference, tmp_path):
     assert_same_losses(step_losses(tmp_path / "ep.jsonl"), ref, rtol=1e-4)
     # --export-hf gathers the EP-sharded adapters and merges them: the one-process run's model, up to the 1e-4
     # of its losses.
-    src = _from_checkpoint(str(root / "ck"), _checkpoint_step(root / "ck"), None)
+    src = checkpoint_source(str(root / "ck"), checkpoint_step(root / "ck"), None)
     ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        one = _load_checkpoint(src, torch.float32, "cpu", merge_lora=False)(ids)
+        one = load_checkpoint_model(src, torch.float32, "cpu", merge_lora=False)(ids)
         assert rel_error(load_pretrained(tmp_path / "out", dtype=torch.float32)(ids), one) < 1e-3
 
 
@@ -116,14 +116,14 @@ def test_expert_parallel_equals_one_process(reference, tmp_path):
 def test_export_merged_and_as_a_peft_adapter(reference, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from paraseek.infer.load import _checkpoint_step, _from_checkpoint, _load_checkpoint
+    from paraseek.models.checkpoint_read import checkpoint_source, checkpoint_step, load_checkpoint_model
     from paraseek.models import load_pretrained
     from paraseek.train.export import _check_lora_choice
 
     root, init, _ = reference
     ck = root / "ck"
-    src = _from_checkpoint(str(ck), _checkpoint_step(ck), None)
-    ours = _load_checkpoint(src, torch.float32, "cpu", merge_lora=False)  # base + adapters, unmerged
+    src = checkpoint_source(str(ck), checkpoint_step(ck), None)
+    ours = load_checkpoint_model(src, torch.float32, "cpu", merge_lora=False)  # base + adapters, unmerged
     assert main(["export", str(ck), str(tmp_path / "merged"), "--merge-lora", "--dtype", "float32"]) == 0
     assert main(["export", str(ck), str(tmp_path / "adapter"), "--export-adapter", "--dtype", "float32"]) == 0
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()

@@ -19,7 +19,7 @@ from dist_helpers import EXACT, assert_same_losses, run_train, run_train_refusal
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.deepseek import build_model
-from paraseek.planner.dims import SCHEDULES, SINGLE_SCHEDULES
+from paraseek.parallel.dims import SCHEDULES, SINGLE_SCHEDULES
 
 pytestmark = pytest.mark.dist
 

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from paraseek.cli import main
 from paraseek.errors import UserError
 from paraseek.models import build_model, resolve_model
-from paraseek.train.checkpoint import latest_checkpoint, prepare_checkpoint_dir, save_checkpoint
+from paraseek.models.checkpoint_read import latest_checkpoint
+from paraseek.train.checkpoint import prepare_checkpoint_dir, save_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.optim import lr_at, resumed_schedule, schedule_of
 from paraseek.train.stop import ARGV_ENV, resume_command, stop_message

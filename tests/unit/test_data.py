@@ -18,7 +18,8 @@ from tokenizers import Tokenizer
 
 from paraseek.errors import UserError
 from paraseek.train import data
-from paraseek.train.data import BUNDLED_CORPUS, BUNDLED_TOKENIZER, DataLoader, open_dataset
+from paraseek.train.data import BUNDLED_CORPUS, DataLoader, open_dataset
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
 WORDS = "the devil a dictionary of wit and wisdom in which every word is defined by its worst use".split()
 TOK = Tokenizer.from_file(str(BUNDLED_TOKENIZER))

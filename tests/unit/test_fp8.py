@@ -55,7 +55,7 @@ def test_on_a_gpu_only_projections_large_enough_for_float8_to_pay(monkeypatch):
 
 
 def test_where_fp8_cannot_run(monkeypatch):
-    from paraseek.planner.dims import ParallelDims
+    from paraseek.parallel.dims import ParallelDims
 
     monkeypatch.delenv("PARASEEK_FP8_EMULATE", raising=False)
     one = ParallelDims()
@@ -88,7 +88,7 @@ def test_fp8_experts_flag_refused_in_one_line(capsys, monkeypatch):
         assert main(["train", "--device", "cpu", "--nproc", "1", "--steps", "1", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert want in err and len(err.splitlines()) == 1, err
-    from paraseek.planner.dims import fp8_experts_problem
+    from paraseek.parallel.dims import fp8_experts_problem
 
     assert "needs a Hopper GPU" in fp8_experts_problem("tensorwise", "cuda", (8, 9))
     assert "this GPU has 10.0" in fp8_experts_problem("tensorwise", "cuda", (10, 0))
@@ -212,7 +212,7 @@ def test_no_float8_all_gather_under_tensor_parallelism():
     """With --tp the weights are cast inside each linear and FSDP2 gathers bf16 (parallelize.py): the tp-sharded
     projections and MLA's replicated latent ones sit on different meshes, which torchao's one-pass scale precompute
     cannot stack."""
-    from paraseek.planner.dims import ParallelDims, float8_all_gather
+    from paraseek.parallel.dims import ParallelDims, float8_all_gather
 
     assert float8_all_gather(ParallelDims(dp_shard=2), "tensorwise")
     assert not float8_all_gather(ParallelDims(dp_shard=2, tp=2), "tensorwise")

@@ -1,5 +1,5 @@
 """The package's imports run one way: walking every import statement of src/paraseek (those inside functions too)
-finds no circle between its modules."""
+finds no circle between its modules, and inference and parallelism import neither training nor the planner."""
 
 import ast
 from pathlib import Path
@@ -87,3 +87,41 @@ def test_the_engine_does_not_reach_into_the_planner_or_training():
     for room in ("paraseek.infer.engine", "paraseek.infer.runner", "paraseek.infer.model"):
         reached = _reach(graph, room)
         assert not {m for m in reached if m.startswith(("paraseek.planner", "paraseek.train"))}, room
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """`importer -> imported` for every import (inside functions too) of a module under paraseek.infer or
+    paraseek.parallel of one under paraseek.train or paraseek.planner: those layers sit below training and planning,
+    which import them, never the other way."""
+    low, high = ("paraseek.infer", "paraseek.parallel"), ("paraseek.train", "paraseek.planner")
+
+    def under(m: str, packages: tuple[str, ...]) -> bool:
+        return any(m == p or m.startswith(p + ".") for p in packages)
+
+    return sorted(f"{m} -> {n}" for m, imported in graph.items() if under(m, low)
+                  for n in imported if under(n, high))
+
+
+def test_inference_and_parallelism_import_neither_training_nor_the_planner():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    (tmp_path / "paraseek" / "parallel").mkdir(parents=True)
+    (tmp_path / "paraseek" / "planner").mkdir()
+    for f in ("__init__.py", "parallel/__init__.py", "planner/__init__.py", "planner/memory.py"):
+        (tmp_path / "paraseek" / f).write_text("")
+    (tmp_path / "paraseek" / "parallel" / "pipeline.py").write_text(
+        "def cut():\n    from paraseek.planner.memory import partition\n")
+    monkeypatch.setitem(globals(), "PACKAGE", tmp_path / "paraseek")  # import_graph walks this package instead
+    assert layer_violations(import_graph()) == ["paraseek.parallel.pipeline -> paraseek.planner.memory"]
+
+
+def test_the_engine_commands_get_the_planners_kv_prediction_from_the_top_level_cli():
+    """generate, serve and bench-infer print the planner's KV-pool prediction beside the measured pool; the function
+    comes from paraseek/cli.py, which may import the planner (infer/cli.py: build_engine)."""
+    from paraseek.cli import _planned_kv_tokens, build_parser
+
+    parser = build_parser()
+    for command in ("generate", "serve", "bench-infer"):
+        assert parser.parse_args([command, "tiny-moe"]).plan_kv_tokens is _planned_kv_tokens, command

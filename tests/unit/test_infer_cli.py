@@ -9,7 +9,7 @@ import torch
 
 from paraseek.cli import main
 from paraseek.models import ModelArgs, build_model, preset_config, save_pretrained
-from paraseek.train.data import BUNDLED_TOKENIZER
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
 
 @pytest.fixture(scope="module")

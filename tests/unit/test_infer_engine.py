@@ -195,7 +195,7 @@ def test_requests_that_cannot_fit_are_refused(folders):
 def test_stop_strings_cut_the_text_before_the_stop():
     from paraseek.models import ModelArgs, build_model, preset_config
     from paraseek.models.tokenizer import load_text_tokenizer
-    from paraseek.train.data import BUNDLED_TOKENIZER
+    from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
     tok = load_text_tokenizer(BUNDLED_TOKENIZER)
     torch.manual_seed(0)

@@ -160,14 +160,14 @@ def test_a_folder_without_mtp_weights_holds_none_and_loads_with_fresh_modules(tm
     transformers = pytest.importorskip("transformers")
     from paraseek.models.deepseek import Transformer
     from paraseek.models.hf import load_state_into
-    from paraseek.train.mtp import held_modules
+    from paraseek.models.weights import held_mtp_modules
 
     save_pretrained(_model("tiny-moe", 1, seed=4), tmp_path / "ours")
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).save_pretrained(
         tmp_path / "hf")
     args = ModelArgs.from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
     assert args.n_mtp_layers == 1
-    assert held_modules(args, tmp_path / "ours") == 1 and held_modules(args, tmp_path / "hf") == 0
+    assert held_mtp_modules(args, tmp_path / "ours") == 1 and held_mtp_modules(args, tmp_path / "hf") == 0
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")

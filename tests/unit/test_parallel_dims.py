@@ -1,4 +1,4 @@
-"""The plan's one rule set (planner/dims.py: ParallelDims.problem): what the CLI refuses before a launch is what the
+"""The plan's one rule set (parallel/dims.py: ParallelDims.problem): what the CLI refuses before a launch is what the
 planner never ranks; and the translations between TrainConfig and the planner's Plan."""
 
 import pytest
@@ -6,7 +6,8 @@ import pytest
 from paraseek.errors import UserError
 from paraseek.models import resolve_model
 from paraseek.models.args import ModelArgs, preset_config
-from paraseek.planner import ParallelDims, Plan, make_cluster, search
+from paraseek.parallel.dims import ParallelDims
+from paraseek.planner import Plan, make_cluster, search
 from paraseek.train.config import TrainConfig
 
 

@@ -6,12 +6,18 @@ import torch
 from paraseek.models import resolve_model
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.parallel.pipeline import build_stage, describe, rank_stages, stage_specs, whole_model_view
-from paraseek.planner.memory import layer_cost, model_terms
+from paraseek.planner.memory import layer_cost, model_terms, partition
+
+
+def _specs(args: ModelArgs, seq_len: int, n_stages: int):
+    """The stages train/build.py cuts: the planner's partition and per-layer costs."""
+    t = model_terms(args, seq_len)
+    return stage_specs(partition(t, n_stages), [layer_cost(t, i) for i in range(args.n_layers)])
 
 
 def test_deepseek_v3_16_stages_within_10_percent_of_the_mean_and_better_than_uniform():
     args, _, _ = resolve_model("deepseek-v3")
-    specs = stage_specs(args, 4096, 16)
+    specs = _specs(args, 4096, 16)
     costs = [s.cost for s in specs]
     mean = sum(costs) / len(costs)
     assert max(costs) <= 1.10 * mean, max(costs) / mean
@@ -31,7 +37,7 @@ def test_deepseek_v3_16_stages_within_10_percent_of_the_mean_and_better_than_uni
 
 def test_the_head_moves_layers_off_the_last_stage():
     args, _, _ = resolve_model("deepseek-llm-7b")  # 30 layers, 102k vocabulary
-    specs = stage_specs(args, 4096, 4)
+    specs = _specs(args, 4096, 4)
     sizes = [len(s.layers) for s in specs]
     assert sum(sizes) == 30 and sizes[-1] < max(sizes)
 
@@ -44,7 +50,7 @@ def test_rank_stages_looped_and_v_shape():
 
 def test_stages_keep_the_whole_models_names():
     args = ModelArgs.from_hf_config({**preset_config("tiny-moe"), "num_hidden_layers": 4})
-    specs = stage_specs(args, 64, 4)
+    specs = _specs(args, 64, 4)
     parts = [build_stage(args, specs[s]) for s in (0, 2)]  # pp rank 0 of an interleaved 2 x 2 pipeline
     assert parts[0].embed_tokens is not None and parts[0].norm is None and parts[0].lm_head is None
     assert parts[1].embed_tokens is None and parts[1].norm is None
@@ -59,9 +65,9 @@ def test_stages_keep_the_whole_models_names():
 def test_a_middle_stage_forwards_hidden_states():
     args = ModelArgs.from_hf_config({**preset_config("tiny-dense"), "num_hidden_layers": 3})
     torch.manual_seed(0)
-    whole = build_stage(args, stage_specs(args, 16, 1)[0]).to_empty(device="cpu")
+    whole = build_stage(args, _specs(args, 16, 1)[0]).to_empty(device="cpu")
     whole.init_weights(device=torch.device("cpu"))
-    specs = stage_specs(args, 16, 3)
+    specs = _specs(args, 16, 3)
     parts = [build_stage(args, s).to_empty(device="cpu") for s in specs]
     sd = whole.state_dict()
     for part in parts:

@@ -15,7 +15,8 @@ from paraseek.planner import Plan, evaluate, make_cluster, model_state_bytes
 from paraseek.planner.memory import (FP32, mtp_blocks, mtp_module_activation_bytes, mtp_module_params, model_terms,
                                      rank_shares)
 from paraseek.planner.search import mtp_cost
-from paraseek.train.mtp import held_modules, run_args
+from paraseek.models.weights import held_mtp_modules
+from paraseek.train.mtp import run_args
 from plan_cli import run_plan_cli
 
 
@@ -25,7 +26,7 @@ def model(name: str, **changes):
 
 def mtp_module_of_training_model(args):
     """The first MTP module of the model `paraseek train --mtp-layers 1` builds (meta device)."""
-    return build_model(run_args(args, held_modules(args), 1), "meta").mtp[0]
+    return build_model(run_args(args, held_mtp_modules(args), 1), "meta").mtp[0]
 
 
 def split_by_tp(module) -> tuple[int, int, int]:

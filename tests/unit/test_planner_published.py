@@ -16,8 +16,8 @@ from paraseek.models import resolve_model
 from paraseek.planner import Plan, best_plan, make_cluster, published, search
 from paraseek.planner.cli import register
 from paraseek.planner.cost import A2A_EFFICIENCY, all_to_all, bubble, node_limited_copies, step_time
-from paraseek.planner.dims import ParallelDims
-from paraseek.planner.memory import in_flight, model_terms, rank_chunks
+from paraseek.parallel.dims import ParallelDims, rank_chunks
+from paraseek.planner.memory import in_flight, model_terms
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 ROWS = published.table()["rows"]

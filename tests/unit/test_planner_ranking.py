@@ -22,7 +22,7 @@ def model(name: str, **changes):
 
 def train_accepts(command: str) -> None:
     """`paraseek train`'s own checks on a printed command, in-process and without a launch: its parser, the config
-    translation and validate() (the rule set of planner/dims.py, the world size, the batch, the pipeline's
+    translation and validate() (the rule set of parallel/dims.py, the world size, the batch, the pipeline's
     micro-batches), on a machine with the GPUs the command asks for."""
     from paraseek.cli import build_parser
     from paraseek.train.config import from_namespace, resolve_defaults, validate

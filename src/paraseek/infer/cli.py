@@ -197,11 +197,11 @@ def check_speculative(ns: argparse.Namespace, src) -> None:
 
     held = src.args.n_mtp_layers
     if src.kind == "hf":
-        from paraseek.train.mtp import held_modules
+        from paraseek.models.weights import held_mtp_modules
 
-        held = held_modules(src.args, src.path)
+        held = held_mtp_modules(src.args, src.path)
     elif src.kind == "checkpoint":
-        from paraseek.train.export import with_run_mtp_modules
+        from paraseek.models.checkpoint_read import with_run_mtp_modules
 
         src.args = with_run_mtp_modules(src, src.path).args
         held = src.args.n_mtp_layers
@@ -490,34 +490,12 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
                     log=log, lora_modules=lora_modules(ns))
     engine.report.extra["load_s"] = load_s
-    if pl.device.startswith("cuda"):
-        engine.report.extra["planned_tokens"] = planned_kv_tokens(engine)
+    # `paraseek plan --mode infer`'s prediction of the KV pool, beside its measured size: given by paraseek/cli.py
+    # (planner/infer.py: planned_kv_tokens), since infer/ does not import the planner
+    plan_kv_tokens = getattr(ns, "plan_kv_tokens", None)
+    if pl.device.startswith("cuda") and plan_kv_tokens is not None:
+        engine.report.extra["planned_tokens"] = plan_kv_tokens(engine)
     return engine
-
-
-def planned_kv_tokens(engine) -> int | None:
-    """What `paraseek plan --mode infer` predicts for the engine's KV pool on this GPU with its settings (the same
-    formulas, on the measured memory): printed beside the pool's size, so that a wrong planner shows. Here, not in the
-    engine: the engine does not depend on the planner."""
-    import dataclasses as dc
-
-    import torch
-
-    from paraseek.hardware.specs import spec_for_device_name
-    from paraseek.planner import make_cluster
-    from paraseek.planner.infer import plan_inference
-
-    spec = spec_for_device_name(torch.cuda.get_device_name(engine.device))
-    if spec is None or engine.runner.tp != engine.tp:  # the planner prices tp layouts, not ep ones
-        return None
-    total = engine.report.total_gib
-    cluster = dc.replace(make_cluster(spec.name, engine.tp, gpus_per_node=engine.tp), memory_gib=total)
-    cfg = engine.cfg
-    rows = [r for r in plan_inference(engine.args, cluster, engine.max_model_len, None, "bf16",
-                                      cfg.gpu_memory_utilization, cfg.max_batched_tokens, cfg.max_num_seqs,
-                                      kv_cache_dtype=cfg.kv_cache_dtype)
-            if r.tp == engine.tp and not r.reason]
-    return rows[0].max_context if rows else None
 
 
 def weight_format(quantization: str, src, device: str) -> tuple[bool, tuple[int, int] | None, str]:

@@ -35,6 +35,8 @@ from paraseek.errors import UserError
 BOS_NAMES = ("<|bos|>", "<｜begin▁of▁sentence｜>", "<|begin_of_text|>", "<s>")
 EOS_NAMES = ("<|eos|>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# byte-level BPE, 2048 tokens, built by scripts/; `paraseek train`'s tokenizer when none is given
+BUNDLED_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "tokenizer.json"
 
 
 class TextTokenizer:

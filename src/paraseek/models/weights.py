@@ -5,6 +5,7 @@ says. A folder without weights or with a broken download costs one line before a
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -75,3 +76,15 @@ def tensor_names(folder: str | Path) -> set[str]:
             (n,) = struct.unpack("<Q", f.read(8))
             names |= set(json.loads(f.read(n))) - {"__metadata__"}
     return names
+
+
+def held_mtp_modules(args, folder: str | Path | None = None) -> int:
+    """The MTP modules a model starts with: its config's num_nextn_predict_layers, or for an HF folder only those
+    whose weights it holds (model.layers.{num_hidden_layers + k}: transformers saves V3 without them). No torch."""
+    if folder is None or not args.n_mtp_layers:
+        return args.n_mtp_layers
+    layers = {int(m.group(1)) for name in tensor_names(folder) if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    k = 0
+    while k < args.n_mtp_layers and args.n_layers + k in layers:
+        k += 1
+    return k

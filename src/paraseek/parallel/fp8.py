@@ -28,7 +28,7 @@ than bf16's at a few hundred rows per expert. DeepSeek-V2-Lite cut to 6 layers o
 65,536, with less memory (BENCHMARKS.md, FP8).
 
 Under --tp the float8 linears are made first and the TP styles shard them (parallel/parallelize.py); tensorwise
-then gathers bf16 weights (planner/dims.py: float8_all_gather says why). Under TP the step-1 loss equals one
+then gathers bf16 weights (parallel/dims.py: float8_all_gather says why). Under TP the step-1 loss equals one
 process's; the gradients differ slightly where a tensor is cast per rank before a sum over tp (MLA's replicated
 latent projections get partial output gradients; measured 4.6e-4 in the grad norm, tests/dist/test_fp8_training.py).
 
@@ -44,8 +44,7 @@ import dataclasses
 from torch import nn
 
 from paraseek.models.fp8_grouped import emulated
-from paraseek.planner.cost import fp8_pays
-from paraseek.planner.dims import ParallelDims, fp8_engine_problem
+from paraseek.parallel.dims import ParallelDims, fp8_engine_problem, fp8_pays
 
 RECIPES = ("tensorwise", "rowwise", "rowwise-gw-hp")
 _TORCHAO_NAME = {"tensorwise": "tensorwise", "rowwise": "rowwise", "rowwise-gw-hp": "rowwise_with_gw_hp"}
@@ -56,7 +55,7 @@ MIN_CAPABILITY = (8, 9)
 def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, dims: ParallelDims, *,
                 lora: bool) -> str | None:
     """Why `--fp8 recipe` cannot run here, or None. Checked before launch; what it composes with is the planner's
-    rule (planner/dims.py: fp8_engine_problem), so `plan` never ranks what this refuses."""
+    rule (parallel/dims.py: fp8_engine_problem), so `plan` never ranks what this refuses."""
     if recipe == "off":
         return None
     if device == "cpu" and not emulated():
@@ -75,7 +74,7 @@ def fp8_problem(recipe: str, device: str, capability: tuple[int, int] | None, di
 
 def fp8_filter(module: nn.Module, fqn: str, recipe: str) -> bool:
     """True for the nn.Linear that become float8 linears: a block's attention and MLP projections whose shapes the
-    float8 GEMM takes (both dims multiples of 16) and where it pays (planner/cost.py: fp8_pays)."""
+    float8 GEMM takes (both dims multiples of 16) and where it pays (parallel/dims.py: fp8_pays)."""
     if not isinstance(module, nn.Linear):
         return False
     parent = fqn.split(".")[-2] if "." in fqn else ""

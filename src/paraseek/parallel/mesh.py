@@ -1,6 +1,6 @@
 """The run's one named DeviceMesh, built from ParallelDims, and every group sliced from it, once.
 
-The dims and their order are ParallelDims.mesh_shape's (planner/dims.py says why: pp outermost, tp innermost). With
+The dims and their order are ParallelDims.mesh_shape's (parallel/dims.py says why: pp outermost, tp innermost). With
 expert parallelism dp_shard is built as (dp_shard_mod_ep, ep) -- an EP group is `ep` consecutive dp_shard ranks --
 and flattened back into "dp_shard" for FSDP2 (DeviceMesh._flatten: in torch 2.11 and 2.13 alike). Nothing else in
 the engine derives ranks or groups: the loop, the pipeline, FSDP2/DDP, expert parallelism and the export ask here.
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paraseek.planner.dims import ParallelDims
+from paraseek.parallel.dims import ParallelDims
 
 
 class ParallelMesh:

@@ -34,7 +34,7 @@ from paraseek.models.lora_spec import LoRASpec
 from paraseek.parallel.expert import apply_expert_fsdp, apply_expert_parallel
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.tensor import apply_tensor_parallel
-from paraseek.planner.dims import float8_all_gather
+from paraseek.parallel.dims import float8_all_gather
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -2,15 +2,16 @@
 pp rank builds only its stages (on the meta device, before TP / checkpointing / compile / FSDP2), and one of torch's
 schedules runs the micro-batches.
 
-The cut: `planner.memory.partition` -- the same function the planner prices plans with -- splits the layers into
-contiguous chunks that balance training FLOPs per token (dense and MoE layers, MLA and attention at this sequence
-length, the output head and its loss riding on the last chunk), not layer counts; a DeepSeek-V3 head costs about
-1.5 layers. The embedding computes nothing worth balancing and goes with the first chunk. V3's MTP modules live on
-the last stage, beside the head they share; when they train (--mtp-layers), every stage before the last passes the
-embedding's output on beside the hidden states ([h; embedding] on the last dim: two tensors' worth between stages),
-since the last stage holds no embedding, and the gradient of the MTP loss flows back to the embedding the same way.
+The cut: `planner.memory.partition` -- the same function the planner prices plans with, whose chunks and per-layer
+costs train/build.py passes in (parallel/ imports no planner) -- splits the layers into contiguous chunks that balance
+training FLOPs per token (dense and MoE layers, MLA and attention at this sequence length, the output head and its
+loss riding on the last chunk), not layer counts; a DeepSeek-V3 head costs about 1.5 layers. The embedding computes
+nothing worth balancing and goes with the first chunk. V3's MTP modules live on the last stage, beside the head they
+share; when they train (--mtp-layers), every stage before the last passes the embedding's output on beside the hidden
+states ([h; embedding] on the last dim: two tensors' worth between stages), since the last stage holds no embedding,
+and the gradient of the MTP loss flows back to the embedding the same way.
 
-Stage s of rank r: looped schedules give rank r the stages r, r + pp, r + 2pp, ... (`planner.memory.rank_chunks`);
+Stage s of rank r: looped schedules give rank r the stages r, r + pp, r + 2pp, ... (`parallel.dims.rank_chunks`);
 ZBVZeroBubble gives it r and 2pp - 1 - r (the V shape). Each stage is a `Transformer` that keeps only its layers (the
 ModuleDict keeps the global layer indices, so parameter names -- and checkpoints -- are those of the whole model):
 the first holds the embedding, the last the final norm and head; the others take and return hidden states.
@@ -27,6 +28,7 @@ from torch import nn
 
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import Transformer
+from paraseek.parallel.dims import rank_chunks
 
 
 @dataclass(frozen=True)
@@ -38,21 +40,16 @@ class StageSpec:
     cost: float  # the planner's training FLOPs per token of the stage (head included on the last)
 
 
-def stage_specs(args: ModelArgs, seq_len: int, n_stages: int) -> list[StageSpec]:
-    """The cost-balanced split of the model into `n_stages` contiguous stages (planner.memory.partition)."""
-    from paraseek.planner.memory import layer_cost, model_terms, partition
-
-    t = model_terms(args, seq_len)
-    chunks = partition(t, n_stages)
-    return [StageSpec(index=s, layers=tuple(range(a, b)), first=s == 0, last=s == n_stages - 1,
-                      cost=sum(layer_cost(t, i) for i in range(a, b)))
+def stage_specs(chunks: tuple[tuple[int, int], ...], layer_costs: list[float]) -> list[StageSpec]:
+    """The stages of a split: `chunks` the contiguous layer ranges [start, end) in model order, `layer_costs` each
+    layer's cost (the caller, train/build.py, takes both from planner.memory: partition and layer_cost)."""
+    return [StageSpec(index=s, layers=tuple(range(a, b)), first=s == 0, last=s == len(chunks) - 1,
+                      cost=sum(layer_costs[a:b]))
             for s, (a, b) in enumerate(chunks)]
 
 
 def rank_stages(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
-    """The stage indices pp rank `pp_rank` holds, in model order (planner.memory.rank_chunks)."""
-    from paraseek.planner.memory import rank_chunks
-
+    """The stage indices pp rank `pp_rank` holds, in model order (parallel/dims.py: rank_chunks)."""
     return sorted(rank_chunks(pp, v, schedule)[pp_rank])
 
 

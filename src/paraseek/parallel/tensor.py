@@ -171,7 +171,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     The MTP modules' blocks are sharded as the main blocks; their norms and eh_proj are token-wise and run on this
     rank's positions under SP (replicated weights, as the norms), and each module gathers the embedding's output,
     whose position i + k it combines with position i (MTPModule). tp must divide the model's heads, widths and
-    vocabulary, and under SP the sequence length (planner.dims.ParallelDims.check says so before a run starts)."""
+    vocabulary, and under SP the sequence length (parallel.dims.ParallelDims.check says so before a run starts)."""
     if tp_mesh.size() == 1:
         return []
     if any(not isinstance(b, Block) for b in [*model.layers.values(), *(m.block for m in model.mtp)]):

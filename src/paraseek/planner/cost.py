@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from paraseek.models.args import ModelArgs
 from paraseek.models.lora_spec import LoRASpec, adapted, model_targets
-from paraseek.planner.dims import float8_all_gather
+from paraseek.parallel.dims import float8_all_gather, fp8_pays
 from paraseek.planner.memory import (BF16, FP32, MOE_IMBALANCE, ModelTerms, RankShare,
                                      compiled_ac_saves_fp8_expert_outputs, compiled_loss, hot_ranks, rank_shares)
 from paraseek.planner.plan import Cluster, Plan
@@ -139,17 +139,6 @@ FP8_GROUPED_HALF_ROWS = 1890
 # fitted; on one rank it comes to 15.7 B measured (7B: 15,106 vs 16,530 tokens/s with and without it in one run,
 # benchmarks/2026-12-02/fp8-7b-tensorwise-vs-torchtitan.json).
 FP8_GATHER_CAST_BYTES = 21 - 5
-
-
-def fp8_pays(recipe: str, k: int, n: int) -> bool:
-    """Whether a float8 GEMM of in_features k and out_features n beats bf16 under `recipe`, casts included: torchao's
-    thresholds from its H100 tables (torchao/float8 README, "Performance"; float8_linear_utils._auto_filter_for_*).
-    Below them the casts and scale reductions cost more than the faster GEMM saves: DeepSeek-V2-Lite's projections
-    (2048 wide) all in float8 rowwise ran 0.80x bf16 on one H200 (BENCHMARKS.md, FP8). parallel/fp8.py converts
-    only these; fp8_terms prices them."""
-    if recipe == "tensorwise":
-        return not (k <= 4096 and n <= 1024)
-    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))  # rowwise, and rowwise-gw-hp's same casts
 
 
 @functools.lru_cache(maxsize=64)

@@ -165,3 +165,28 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
                                                                            max_batched_tokens) / tp
         out.append(ip)
     return out
+
+
+def planned_kv_tokens(engine) -> int | None:
+    """What `paraseek plan --mode infer` predicts for the engine's KV pool on this GPU with its settings (the same
+    formulas, on the measured memory): printed beside the pool's size, so that a wrong planner shows. paraseek/cli.py
+    hands it to generate, serve and bench-infer (infer/cli.py: build_engine): the engine does not depend on the
+    planner."""
+    import dataclasses as dc
+
+    import torch
+
+    from paraseek.hardware.specs import spec_for_device_name
+    from paraseek.planner.plan import make_cluster
+
+    spec = spec_for_device_name(torch.cuda.get_device_name(engine.device))
+    if spec is None or engine.runner.tp != engine.tp:  # the planner prices tp layouts, not ep ones
+        return None
+    total = engine.report.total_gib
+    cluster = dc.replace(make_cluster(spec.name, engine.tp, gpus_per_node=engine.tp), memory_gib=total)
+    cfg = engine.cfg
+    rows = [r for r in plan_inference(engine.args, cluster, engine.max_model_len, None, "bf16",
+                                      cfg.gpu_memory_utilization, cfg.max_batched_tokens, cfg.max_num_seqs,
+                                      kv_cache_dtype=cfg.kv_cache_dtype)
+            if r.tp == engine.tp and not r.reason]
+    return rows[0].max_context if rows else None

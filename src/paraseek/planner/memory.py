@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from paraseek.models.args import ModelArgs
 from paraseek.models.lora_spec import LoRASpec, adapter_params
 from paraseek.models.stats import attention_flops_per_token, param_counts
-from paraseek.planner.dims import V_SCHEDULES
+from paraseek.parallel.dims import rank_chunks
 from paraseek.planner.plan import Cluster, Plan
 
 BF16, FP32 = 2, 4
@@ -348,14 +348,6 @@ def partition(t: ModelTerms, n_chunks: int) -> tuple[tuple[int, int], ...]:
                 key=lambda j: (bounds[j + 1] - bounds[j] > 1, sum(costs[bounds[j]:bounds[j + 1]])))
         bounds.insert(k + 1, (bounds[k] + bounds[k + 1]) // 2)
     return tuple((bounds[j], bounds[j + 1]) for j in range(n_chunks))
-
-
-def rank_chunks(pp: int, v: int, schedule: str) -> list[list[int]]:
-    """Which model chunks each pp rank holds: looped (r, r+pp, ...) or the V shape of ZBVZeroBubble and DualPipeV
-    (r, 2pp-1-r)."""
-    if schedule in V_SCHEDULES:
-        return [[r, 2 * pp - 1 - r] for r in range(pp)]
-    return [[r + k * pp for k in range(v)] for r in range(pp)]
 
 
 def in_flight(plan: Plan, rank: int, m: int) -> float:

@@ -1,5 +1,5 @@
 """The planner's two inputs besides the model: a parallel `Plan` and the `Cluster` it runs on (GPU type, node
-shape, achievable rates, and which link each process group crosses under paraseek's rank order, planner/dims.py)."""
+shape, achievable rates, and which link each process group crosses under paraseek's rank order, parallel/dims.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from paraseek.errors import UserError
 from paraseek.hardware.specs import GPU_SPECS, GPUSpec, resolve_gpu_type, spec_for_device_name
 from paraseek.models.lora_spec import LoRASpec
-from paraseek.planner.dims import ParallelDims, fp8_engine_problem
+from paraseek.parallel.dims import ParallelDims, fp8_engine_problem
 
 AC_MODES = ("none", "selective", "full")  # activation checkpointing, least recompute first
 # The pipeline schedules the planner prices (of dims.SCHEDULES: LoopedBFS and InterleavedZeroBubble run, unpriced).

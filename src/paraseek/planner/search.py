@@ -19,8 +19,8 @@ from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs
 from paraseek.models.lora_spec import LoRASpec
 from paraseek.planner.cost import StepTime, step_time
-from paraseek.planner.dims import ParallelDims, fp8_experts_problem
-from paraseek.planner.memory import GiB, Memory, memory, model_terms, rank_chunks
+from paraseek.parallel.dims import ParallelDims, fp8_experts_problem, rank_chunks
+from paraseek.planner.memory import GiB, Memory, memory, model_terms
 from paraseek.planner.plan import AC_MODES, Cluster, Plan
 
 HOST_USABLE = 0.9  # of host memory, for offloaded states (the OS, data loaders and pinned buffers need the rest)

@@ -13,15 +13,18 @@ from torch import nn
 
 from paraseek.models import resolve_model
 from paraseek.models.args import ModelArgs
+from paraseek.models.checkpoint_read import latest_checkpoint
 from paraseek.models.deepseek import Transformer
 from paraseek.models.hf import load_state_into
 from paraseek.models.lora import init_adapters, is_adapter
 from paraseek.models.lora_spec import LoRASpec
+from paraseek.models.weights import held_mtp_modules
 from paraseek.parallel.mesh import ParallelMesh
 from paraseek.parallel.parallelize import apply_ddp, parallelize
 from paraseek.parallel.pipeline import StageSpec, build_stage, rank_stages, stage_specs, whole_model_view
+from paraseek.planner.memory import layer_cost, model_terms, partition
 from paraseek.train import mtp as mtp_flags
-from paraseek.train.checkpoint import latest_checkpoint, load_checkpoint
+from paraseek.train.checkpoint import load_checkpoint
 from paraseek.train.config import TrainConfig
 from paraseek.train.data import DataLoader
 
@@ -51,14 +54,15 @@ class Model:
 def build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> Model:
     torch.manual_seed(cfg.seed)  # torch's global generator, for whatever draws from it (nothing in the model does)
     args, _, _ = resolve_model(cfg.init_from or cfg.model)
-    held = mtp_flags.held_modules(args, cfg.init_from or None)
+    held = held_mtp_modules(args, cfg.init_from or None)
     depth = mtp_flags.depth_of(cfg.mtp_layers, held)
     args = mtp_flags.run_args(args, held, depth)
     lora = cfg.lora_for(args)
     dims = mesh.dims
     specs, stage_ids = None, [0]
     if dims.pp > 1:
-        specs = stage_specs(args, cfg.seq_len, dims.n_stages)
+        t = model_terms(args, cfg.seq_len)
+        specs = stage_specs(partition(t, dims.n_stages), [layer_cost(t, i) for i in range(args.n_layers)])
         stage_ids = rank_stages(mesh.pp_rank, dims.pp, dims.pp_virtual_stages, dims.pp_schedule)
         parts = [build_stage(args, specs[sid]) for sid in stage_ids]
     else:

@@ -4,8 +4,8 @@ one plan loads into another), plus trainer state (step, data position, RNG, lr s
 Atomic: everything is written into `step-NNNNNN.tmp/`, renamed to `step-NNNNNN/` once all ranks finished, and only
 then `latest` is replaced (os.replace) -- a process killed at any moment leaves every complete step complete and the
 previous one the newest (tests/dist/checkpoint_drill.py kills saves at random moments). Reading trusts nothing:
-`latest_checkpoint` takes the newest step whose trainer state, DCP metadata and every shard file the metadata names
-are whole, and says what it skipped.
+`latest_checkpoint` (models/checkpoint_read.py, the reader export, generate and serve share) takes the newest step
+whose trainer state, DCP metadata and every shard file the metadata names are whole, and says what it skipped.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -29,95 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
 from paraseek.errors import UserError
-
-_STEP = re.compile(r"step-(\d+)")
-
+from paraseek.models.checkpoint_read import (checkpoint_problem, has_checkpoints, latest_checkpoint,
+                                               needed_checkpoint, step_folders, step_of)
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
-
-
-def _step_of(path: Path) -> int:
-    return int(_STEP.fullmatch(path.name).group(1))
-
-
-def step_folders(root: str | Path) -> list[Path]:
-    """The step-N folders of a checkpoint folder, oldest first (not the .tmp ones of saves that did not finish)."""
-    root = Path(root)
-    return sorted((p for p in root.glob("step-*") if _STEP.fullmatch(p.name) and p.is_dir()), key=_step_of)
-
-
-def has_checkpoints(root: str | Path) -> bool:
-    return (Path(root) / "latest").exists() or bool(step_folders(root))
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why the step folder `path` is not a complete checkpoint, or None when it is: trainer_state.json readable and
-    naming this step, DCP's .metadata readable, and every shard file it names present and as long as it says."""
-    try:
-        step = json.loads((path / "trainer_state.json").read_text())["step"]
-    except FileNotFoundError:
-        return "no trainer_state.json"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "trainer_state.json is not readable"
-    if step != _step_of(path):
-        return f"trainer_state.json says step {step}"
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except FileNotFoundError:
-        return "no .metadata (DCP's index of the shards)"
-    except Exception as e:  # a torn or foreign pickle: anything may come out of it
-        return f".metadata is not readable ({type(e).__name__})"
-    needed: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        shard = path / name
-        if not shard.is_file():
-            return f"shard {name} is missing"
-        if shard.stat().st_size < size:
-            return f"shard {name} is truncated ({shard.stat().st_size:,} of {size:,} bytes)"
-    return None
-
-
-def latest_checkpoint(root: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest complete step folder under `root`, or None. Newer folders that are not complete are skipped, and
-    so is a `latest` that holds junk or names a folder that is gone: `warn` gets one line for each."""
-    root = Path(root)
-    warn = warn or (lambda message: None)
-    found = None
-    for path in reversed(step_folders(root)):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            found = path
-            break
-        warn(f"{path}: {problem}; skipped")
-    try:
-        named = (root / "latest").read_text(errors="replace").strip()
-    except OSError:
-        named = None
-    if named is not None and not _STEP.fullmatch(named):
-        warn(f"{root / 'latest'} holds {named[:40]!r}, not a step folder's name; ignored")
-    elif named is not None and not (root / named).is_dir():
-        warn(f"{root / 'latest'} names {named}, which is gone; ignored")
-    return found
-
-
-def needed_checkpoint(root: str | Path, advice: str, warn: Callable[[str], None] | None = None,
-                      prefix: str = "") -> Path | None:
-    """latest_checkpoint for a command that needs a checkpoint of `root`: None when it holds none at all; when it
-    holds only damaged ones, one UserError that says why each was skipped, then `advice`. Newer damaged ones
-    skipped on the way to a complete one go to `warn`."""
-    skipped: list[str] = []
-    found = latest_checkpoint(root, skipped.append)
-    if found is None and has_checkpoints(root):
-        reasons = [s.removesuffix("; skipped").removesuffix("; ignored") for s in skipped]
-        more = f"; and {len(reasons) - 3} more" if len(reasons) > 3 else ""
-        raise UserError(f"{prefix}{root} holds no complete checkpoint ({'; '.join(reasons[:3])}{more}); {advice}")
-    for line in skipped:
-        if warn:
-            warn(line)
-    return found
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -194,7 +109,7 @@ def _save(root: Path, step: int, model, optimizer, trainer_state, model_keys, ke
         _write_durably(root / "latest.tmp", final.name + "\n")
         os.replace(root / "latest.tmp", root / "latest")
         if keep_last > 0:  # only now, with the new step complete and named: keep the newest complete ones
-            older = [p for p in step_folders(root) if _step_of(p) < step]
+            older = [p for p in step_folders(root) if step_of(p) < step]
             complete = [p for p in older if checkpoint_problem(p) is None]
             kept = complete[-(keep_last - 1):] if keep_last > 1 else []
             for path in older:  # damaged ones too: resuming would only skip them
@@ -288,7 +203,7 @@ def prepare_checkpoint_dir(cfg, model_shapes: Callable[[], dict[str, tuple[int, 
             source = written.get("init_from") or written.get("model")
             raise UserError(f"--resume: {path} holds another model{f' ({source})' if source else ''} than "
                             f"{cfg.init_from or cfg.model}: {why}; point --checkpoint-dir at this model's checkpoints")
-        return _step_of(path)
+        return step_of(path)
     if not held:
         return 0
     newest = step_folders(root)

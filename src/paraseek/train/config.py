@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from paraseek.errors import UserError, check_writable
-from paraseek.planner.dims import SCHEDULES, ParallelDims, default_virtual_stages
+from paraseek.parallel.dims import SCHEDULES, ParallelDims, default_virtual_stages
 
 
 @dataclass
@@ -170,7 +170,7 @@ _AT_LEAST = {"nnodes": 1, "steps": 1, "seq_len": 1, "global_batch_size": 1, "mic
 _AT_MOST = {"min_lr_ratio": 1}
 _AUTO = {"dp_shard": -1, "moe_bias_gamma": -1, "moe_aux_loss_alpha": -1,  # the value that means "the default"
          "mtp_layers": -1, "mtp_loss_weight": -1, "mtp_loss_weight_final": -1}
-_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")  # ranges: ParallelDims' rule set (planner/dims.py)
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep")  # ranges: ParallelDims' rule set (parallel/dims.py)
 # "Did you mean" for an unknown name (a TOML key or a flag of any command): first the names other tools use (each
 # key's candidates in order, the first one the command has), then the same words in other spellings (`_WORDS`, with
 # the filler words dropped: max_sequence_length -> seq_len), then the closest spelling (difflib).
@@ -415,7 +415,7 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
         cfg.model = cfg.init_from  # its config.json is the model
     if cfg.data != "synthetic" and not cfg.tokenizer:
         # The model's own tokenizer when --init-from has one; the header's first line names whichever it is.
-        from paraseek.train.data import BUNDLED_TOKENIZER
+        from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
         has_own = cfg.init_from and (Path(cfg.init_from) / "tokenizer.json").is_file()
         cfg.tokenizer = cfg.init_from if has_own else str(BUNDLED_TOKENIZER)
@@ -464,7 +464,7 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
                         f"--dp-replicate {cfg.dp_replicate} x --tp {cfg.tp} x --pp {cfg.pp}; give --dp-shard")
     dims = cfg.dims
     options = dict(cpu_offload=cfg.cpu_offload, compile=cfg.compile, precision=cfg.precision)
-    dims.check(args, cfg.seq_len, **options)  # the plan's one rule set (planner/dims.py), the planner's too
+    dims.check(args, cfg.seq_len, **options)  # the plan's one rule set (parallel/dims.py), the planner's too
     if dims.world != cfg.world_size:
         raise UserError(
             f"{f'--pp {cfg.pp} x ' if cfg.pp > 1 else ''}--dp-replicate {cfg.dp_replicate} x --dp-shard "
@@ -521,7 +521,7 @@ def validate(cfg: TrainConfig, cuda_available: bool, gpu_count: int, nodes: bool
     _validate_data_flags(cfg)
     if cfg.fp8 != "off" or cfg.fp8_experts == "on":
         from paraseek.parallel.fp8 import fp8_problem
-        from paraseek.planner.dims import fp8_experts_problem
+        from paraseek.parallel.dims import fp8_experts_problem
 
         capability = None
         if cfg.device == "cuda" and cuda_available:
@@ -593,7 +593,7 @@ def config_toml(cfg: TrainConfig) -> str:
 
 def tokenizer_origin(cfg: TrainConfig) -> str:
     """Where the run's tokenizer came from, for the header line and error messages."""
-    from paraseek.train.data import BUNDLED_TOKENIZER
+    from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 
     if cfg.init_from and cfg.tokenizer == cfg.init_from:
         return f"--init-from's {Path(cfg.init_from) / 'tokenizer.json'}"

@@ -46,12 +46,12 @@ import torch
 
 from paraseek.errors import UserError, read_jsonl_rows
 from paraseek.models.loss import IGNORE_INDEX
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 from paraseek.seeding import derive_seed
 from paraseek.train.chat import ASSISTANT, LAST, ChatEncoder, row_kind
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_CORPUS = ASSETS / "corpus"  # public-domain English text, see its SOURCE.md
-BUNDLED_TOKENIZER = ASSETS / "tokenizer" / "tokenizer.json"  # byte-level BPE, 2048 tokens, built by scripts/
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 # End-of-document token names, tried in order when no tokenizer_config.json names one: ours, DeepSeek's, then the
 # Llama/Qwen/GPT family's.

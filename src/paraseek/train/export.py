@@ -33,8 +33,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
                       log=print) -> Path:
     import torch
 
-    from paraseek.infer.load import _checkpoint_step, _from_checkpoint, _load_checkpoint
     from paraseek.models import save_pretrained
+    from paraseek.models.checkpoint_read import (checkpoint_source, checkpoint_step, load_checkpoint_model,
+                                                   with_run_mtp_modules)
 
     folder, out = Path(checkpoint), Path(out)
     if not folder.is_dir():
@@ -45,18 +46,18 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
             have = sorted(p.name for p in folder.glob("step-*") if (p / "trainer_state.json").is_file())
             raise UserError(f"{folder}: no complete checkpoint for step {step} (complete: {', '.join(have) or 'none'})")
     else:
-        step_dir = _checkpoint_step(folder)
+        step_dir = checkpoint_step(folder)
         if step_dir is None:
             raise UserError(f"{folder}: not a paraseek checkpoint folder (no step-N/trainer_state.json)")
     check_out_folder(out, overwrite=overwrite)
     if out.resolve() in (folder.resolve(), step_dir.resolve(), step_dir.resolve().parent):
         raise UserError(f"{out} is the checkpoint folder itself; write the HF folder somewhere else")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-    src = with_run_mtp_modules(_from_checkpoint(str(folder), step_dir, None), step_dir)
+    src = with_run_mtp_modules(checkpoint_source(str(folder), step_dir, None), step_dir)
     _check_lora_choice(src, step_dir, merge_lora, export_adapter)
     tok = model_tokenizer(src.tokenizer, src.args, src.chat_template) if src.tokenizer is not None else None
     if export_adapter:
-        from paraseek.infer.load import read_adapters
+        from paraseek.models.checkpoint_read import read_adapters
         from paraseek.models.lora import save_peft_adapter
 
         log(f"export: the LoRA adapters of {step_dir} ({dtype}) -> {out} (PEFT format, on the base {src.base}); "
@@ -68,24 +69,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, step: int | No
         return out
     merged = " with its LoRA adapters merged" if src.lora else ""
     log(f"export: {step_dir} ({src.args.model_type}, {dtype}){merged} -> {out}; tokenizer: {src.tokenizer_why}")
-    model = _load_checkpoint(src, torch.float32, "cpu").to(torch_dtype)
+    model = load_checkpoint_model(src, torch.float32, "cpu").to(torch_dtype)
     save_pretrained(model, out)
     if tok is not None:
         write_tokenizer(Path(src.tokenizer), tok, out, src.args.max_seq_len, src.chat_template is not None)
     else:
         log("export: the run trained on synthetic tokens and has no tokenizer; the folder holds the model only")
     return out
-
-
-def with_run_mtp_modules(src, step_dir: Path):
-    """The checkpoint's model with the MTP modules its run held (train/mtp.py: --mtp-layers may have created some
-    beside, or without, those of the model it names), which its trainer state records."""
-    import dataclasses
-
-    n = json.loads((step_dir / "trainer_state.json").read_text()).get("mtp_modules")
-    if n is None or n == src.args.n_mtp_layers:
-        return src
-    return dataclasses.replace(src, args=src.args.replace(n_mtp_layers=n))
 
 
 def _check_lora_choice(src, step_dir: Path, merge_lora: bool, export_adapter: bool) -> None:

@@ -18,26 +18,10 @@ Defaults: D = the MTP modules the model holds (V3's num_nextn_predict_layers, wh
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 from paraseek.errors import UserError
+from paraseek.models.weights import held_mtp_modules
 
 DEFAULT_WEIGHT = 0.1
-
-
-def held_modules(args, folder: str | Path | None = None) -> int:
-    """The MTP modules a model starts with: its config's num_nextn_predict_layers, or for an HF folder only those
-    whose weights it holds (model.layers.{num_hidden_layers + k}: transformers saves V3 without them). No torch."""
-    if folder is None or not args.n_mtp_layers:
-        return args.n_mtp_layers
-    from paraseek.models.weights import tensor_names
-
-    layers = {int(m.group(1)) for name in tensor_names(folder) if (m := re.match(r"model\.layers\.(\d+)\.", name))}
-    k = 0
-    while k < args.n_mtp_layers and args.n_layers + k in layers:
-        k += 1
-    return k
 
 
 def depth_of(mtp_layers: int, held: int) -> int:
@@ -46,7 +30,7 @@ def depth_of(mtp_layers: int, held: int) -> int:
 
 
 def run_depth(cfg, args) -> int:
-    return depth_of(cfg.mtp_layers, held_modules(args, cfg.init_from or None))
+    return depth_of(cfg.mtp_layers, held_mtp_modules(args, cfg.init_from or None))
 
 
 def run_args(args, held: int, depth: int):
@@ -79,7 +63,7 @@ def describe(cfg, depth: int, held: int) -> str:
 
 def check_mtp(cfg, args, model: str) -> None:
     """The MTP flags against the model and the rest of the run (one line each)."""
-    held = held_modules(args, cfg.init_from or None)
+    held = held_mtp_modules(args, cfg.init_from or None)
     depth = depth_of(cfg.mtp_layers, held)
     weights = [f for f, v in (("--mtp-loss-weight", cfg.mtp_loss_weight >= 0),
                               ("--mtp-loss-weight-final", cfg.mtp_loss_weight_final >= 0),

@@ -1,8 +1,10 @@
 """The parallel plan's degrees (`ParallelDims`) and the one rule set that says whether `paraseek train` runs them.
 
 The planner describes plans, parallel/ and train/ realize them: `TrainConfig.dims` translates the flags into a
-ParallelDims, parallel/mesh.py builds its DeviceMesh, parallel/parallelize.py applies it, and the planner prices it
-(`planner.Plan` adds how each rank holds memory). `problem()` is the rule set: the CLI calls `check` before a process
+ParallelDims, parallel/mesh.py builds its DeviceMesh, parallel/parallelize.py applies it, and the planner, which
+imports it from here, prices it (`planner.Plan` adds how each rank holds memory). Beside it the pure rules both sides
+share: which chunks a pipeline rank holds (`rank_chunks`), and where float8 pays and gathers (`fp8_pays`,
+`float8_all_gather`). `problem()` is the rule set: the CLI calls `check` before a process
 is launched, the planner turns the same message into a rejection reason. Pure Python: neither imports torch for it.
 
 Mesh order, outermost (slowest-varying rank) first: pp, dp_replicate, dp_shard, tp; with expert parallelism dp_shard is
@@ -215,6 +217,25 @@ def float8_all_gather(d: ParallelDims, fp8: str) -> bool:
     Not under TP: the tp-sharded projections and MLA's replicated latent ones live on different meshes, and
     torchao's one-pass scale precompute (fp8.precompute_scales) stacks every float8 weight's abs-max together."""
     return fp8 == "tensorwise" and not d.ddp and d.dp_shard > 1 and d.tp == 1
+
+
+def rank_chunks(pp: int, v: int, schedule: str) -> list[list[int]]:
+    """Which model chunks each pp rank holds: looped (r, r+pp, ...) or the V shape of ZBVZeroBubble and DualPipeV
+    (r, 2pp-1-r)."""
+    if schedule in V_SCHEDULES:
+        return [[r, 2 * pp - 1 - r] for r in range(pp)]
+    return [[r + k * pp for k in range(v)] for r in range(pp)]
+
+
+def fp8_pays(recipe: str, k: int, n: int) -> bool:
+    """Whether a float8 GEMM of in_features k and out_features n beats bf16 under `recipe`, casts included: torchao's
+    thresholds from its H100 tables (torchao/float8 README, "Performance"; float8_linear_utils._auto_filter_for_*).
+    Below them the casts and scale reductions cost more than the faster GEMM saves: DeepSeek-V2-Lite's projections
+    (2048 wide) all in float8 rowwise ran 0.80x bf16 on one H200 (BENCHMARKS.md, FP8). parallel/fp8.py converts
+    only these; fp8_terms prices them."""
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))  # rowwise, and rowwise-gw-hp's same casts
 
 
 def _engine_problem(d: ParallelDims, cpu_offload: bool) -> str:
