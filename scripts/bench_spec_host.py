@@ -98,8 +98,9 @@ def measure(method: str, k: int, batch: int, steps: int, prompt_len: int = 512) 
     engine.drafter.propose = t.wrap("draft", engine.drafter.propose)
     engine._host_batch = t.wrap("host batch", engine._host_batch)
     engine._sample_row = t.wrap("verify rows", engine._sample_row)
-    saved = spec.verify, spec.verify_rows
+    saved = spec.verify, spec.verify_rows, spec.verify_greedy
     spec.verify = t.wrap("verify", spec.verify)
+    spec.verify_greedy = t.wrap("verify", spec.verify_greedy)
     spec.verify_rows = t.wrap("verify rows", spec.verify_rows)
     generated0, drafted0 = engine.num_generated, engine.drafter.stats.num_draft_tokens
     try:
@@ -108,7 +109,7 @@ def measure(method: str, k: int, batch: int, steps: int, prompt_len: int = 512) 
             engine.step()
         total = time.perf_counter() - t0
     finally:
-        spec.verify, spec.verify_rows = saved
+        spec.verify, spec.verify_rows, spec.verify_greedy = saved
     out = {name: 1e3 * v / steps for name, v in t.s.items()}
     out["total"] = 1e3 * total / steps
     out["other"] = out["total"] - sum(out.get(p, 0.0) for p in PARTS if p != "other")
