@@ -1,4 +1,5 @@
-"""The host parts of a speculative step on CPU, in ms per step: drafting, verification rows (the sample rows of
+"""The host parts of a speculative step on CPU, in ms of process CPU time per step (steady beside other processes on
+a shared machine): drafting, verification rows (the sample rows of
 each request's K + 1 positions), the step's int arrays (engine._host_batch), verification and the rest (accepting,
 delivering, releasing blocks). The forwards (the target's and the MTP drafter's) are timed apart: on CPU they are
 the model's compute, which a GPU does elsewhere.
@@ -36,11 +37,11 @@ class Timer:
 
     def wrap(self, name: str, fn):
         def timed(*a, **k):
-            inner0, t0 = self.inner, time.perf_counter()
+            inner0, t0 = self.inner, time.process_time()
             try:
                 return fn(*a, **k)
             finally:
-                dt = time.perf_counter() - t0
+                dt = time.process_time() - t0
                 if name == "forward":
                     self.inner += dt
                     self.s[name] += dt
@@ -98,16 +99,17 @@ def measure(method: str, k: int, batch: int, steps: int, prompt_len: int = 512) 
     engine.drafter.propose = t.wrap("draft", engine.drafter.propose)
     engine._host_batch = t.wrap("host batch", engine._host_batch)
     engine._sample_row = t.wrap("verify rows", engine._sample_row)
-    saved = spec.verify, spec.verify_rows, spec.verify_greedy
+    engine.runner.greedy = t.wrap("verify", engine.runner.greedy)  # the argmax greedy verification reads
+    saved = spec.verify, spec.verify_rows, getattr(spec, "verify_greedy", None)  # (absent before the argmax path)
     spec.verify = t.wrap("verify", spec.verify)
-    spec.verify_greedy = t.wrap("verify", spec.verify_greedy)
+    spec.verify_greedy = saved[2] and t.wrap("verify", saved[2])
     spec.verify_rows = t.wrap("verify rows", spec.verify_rows)
     generated0, drafted0 = engine.num_generated, engine.drafter.stats.num_draft_tokens
     try:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(steps):
             engine.step()
-        total = time.perf_counter() - t0
+        total = time.process_time() - t0
     finally:
         spec.verify, spec.verify_rows, spec.verify_greedy = saved
     out = {name: 1e3 * v / steps for name, v in t.s.items()}

@@ -394,6 +394,10 @@ class MtpDrafter(Drafter):
     def _take(logits_SV: torch.Tensor, reqs: list, probs: dict) -> None:
         """Each request's next draft from the drafter's logits (rows in `reqs` order): a greedy request's argmax,
         a sampled request's draw from its distribution under the request's transforms (kept as q)."""
+        if all(r.params.greedy and r.device_sampled for r in reqs):  # no transform: the argmax alone
+            for r, t in zip(reqs, logits_SV.argmax(dim=-1).tolist()):
+                r.drafts.append(t)
+            return
         rows = [SampleRow(r.params, r.prompt_ids, [], r.generator) for r in reqs]
         d = distributions(logits_SV, rows)
         tokens = d.x_BV.argmax(dim=-1)
