@@ -126,7 +126,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ns = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"{'drafter':<8} {'batch':>5} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'host total':>11} {'tokens/req':>11} {'drafts/req':>11}")
+    print(f"{'drafter':<8} {'batch':>5} " + " ".join(f"{p:>11}" for p in PARTS)
+          + f" {'host total':>11} {'tokens/req':>11} {'drafts/req':>11}")
     for method, k in (("ngram", 3), ("mtp", 1)):
         for batch in map(int, ns.batches.split(",")):
             r = measure(method, k, batch, ns.steps)
