@@ -414,6 +414,10 @@ def test_generate_json_reports_each_requests_drafts(folders, tmp_path, capsys):
     assert sum(r["accepted_draft_tokens"] for r in rows) > 0 and "draft_tokens" not in plain[0]
     assert "speculative decoding: " in err and "tokens per verification step" in err
     assert "while at most 16 requests run (--speculative-max-batch)" in err
+    assert main(argv + ["--speculative", "ngram", "--speculative-max-batch", "1"]) == 0  # 3 requests: plain steps
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [r["token_ids"] for r in plain]
+    assert "plain steps (more requests ran than --speculative-max-batch)" in err
 
 
 def test_bench_infer_reports_accepted_per_position(folders, capsys):

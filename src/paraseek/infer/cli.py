@@ -754,12 +754,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def spec_line(s: dict) -> str:
     """The accepted drafts of speculative decoding in one line (infer/spec.SpecStats.summary)."""
+    plain = (f"; {s['plain_steps']:,} plain steps (more requests ran than --speculative-max-batch)"
+             if s.get("plain_steps") else "")
     if not s["draft_tokens"]:
-        return "speculative decoding: no drafts proposed"
+        return "speculative decoding: no drafts proposed" + plain
     per = ", ".join(f"{a:.0%}" if a is not None else "-" for a in s["accepted_per_position"])
     return (f"speculative decoding: {s['accepted_tokens']:,} of {s['draft_tokens']:,} drafts accepted "
             f"({s['accept_rate']:.1%}; by position {per}), {s['mean_accepted_length']:.2f} tokens per "
-            f"verification step")
+            f"verification step" + plain)
 
 
 def _result(p: Prompt, r, tokenizer, speculative: bool = False) -> dict[str, Any]:
