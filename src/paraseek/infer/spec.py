@@ -76,16 +76,18 @@ class NgramIndex:
 
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
-        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(n_min, n_max + 1)}
-        self.tokens: list[int] | None = None  # the indexed sequence (the request's own list)
+        self._reset(None)
+
+    def _reset(self, token_ids: list[int] | None) -> None:
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(self.n_min, self.n_max + 1)}
+        self.tokens = token_ids  # the indexed sequence (the request's own list)
         self.length = 0  # its length at the last lookup
 
     def drafts(self, token_ids: list[int], k: int) -> list[int]:
         """ngram_drafts(token_ids, n_min, n_max, k)."""
         L = len(token_ids)
         if token_ids is not self.tokens or L < self.length:
-            self.__init__(self.n_min, self.n_max)
-            self.tokens = token_ids
+            self._reset(token_ids)
         for n, latest in self.latest.items():
             # The n-grams of token_ids[:L - 1] not indexed yet: starts from (old L - 1) - n + 1 to (L - 1) - n.
             for i in range(max(0, self.length - n), L - n):
@@ -313,7 +315,6 @@ class NgramDrafter(Drafter):
     def __init__(self, k: int, n_min: int, n_max: int):
         super().__init__(k)
         self.n_min, self.n_max = n_min, n_max
-
         self.index: dict[str, NgramIndex] = {}  # by request id, of the running requests
 
     def propose(self, engine, items, sampled: list[bool]) -> None:
