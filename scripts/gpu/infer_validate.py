@@ -628,10 +628,16 @@ def group_spec(out: Path, anchors: str) -> list[dict]:
     conc = ["--workloads", "concurrency", "--concurrency", "4,8" if tiny else "32,128", "--concurrency-input",
             "32" if tiny else "512", "--concurrency-output", "16" if tiny else "256", "--prompt-text", text_file]
     for name, flags in (("spec-c-none", []), ("spec-c-mtp-k1", ["--speculative", "mtp"]),
-                        ("spec-c-ngram-k3", ["--speculative", "ngram", "--num-speculative-tokens", "3"])):
+                        ("spec-c-ngram-k3", ["--speculative", "ngram", "--num-speculative-tokens", "3"]),
+                        # Speculating at every batch size (the default --speculative-max-batch 16 makes the runs
+                        # above plain steps at 32 and 128): the speculative step's own cost.
+                        ("spec-c-mtp-k1-all", ["--speculative", "mtp", "--speculative-max-batch", "128"]),
+                        ("spec-c-ngram-k3-all", ["--speculative", "ngram", "--num-speculative-tokens", "3",
+                                                 "--speculative-max-batch", "128"])):
         r = bench(out, name, str(model), *conc, *flags, timeout=400, random_weights=False)
         r["lines"] = [f"c{c['concurrency']}: {c['output_tokens_per_s']:,.0f} out tok/s"
-                      + (f", accepted {c['speculative']['accept_rate'] or 0:.1%}" if c.get("speculative") else "")
+                      + (f", accepted {c['speculative']['accept_rate'] or 0:.1%}, plain steps "
+                         f"{c['speculative'].get('plain_steps', 0):,}" if c.get("speculative") else "")
                       for c in r.get("concurrency", [])]
         results.append(r)
     return results

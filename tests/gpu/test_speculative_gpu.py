@@ -74,3 +74,19 @@ def test_mtp_speculation_in_bf16_with_moe_runs_within_its_memory():
     assert all(len(r.output_ids) == GREEDY.max_tokens for r in reqs)
     assert engine.drafter.stats.num_draft_tokens > 0 and engine.pool.num_used == 0
     assert engine.runner.mtp_graphs and counts.get("drafter_graph", 0) > 0, counts
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculation_paused_above_the_max_batch_gives_the_plain_greedy_tokens_fp32(method):
+    """8 requests, --speculative-max-batch 3: graphed plain steps (with ngram the overlapped ones) while more than 3
+    run, graphed verification steps once the short ones finish; plain greedy's tokens, both kinds of steps."""
+    prompts = [p + p for p in _prompts(8, MLA["vocab_size"], seed=7)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 6, 8, 10, 12, 40, 40, 40)]
+    plain = [r.output_ids for r in _engine(MLA, torch.float32).generate(prompts, params)]
+    engine = _engine(MLA, torch.float32, speculative=method, num_speculative_tokens=2, speculative_max_batch=3,
+                     **(dict(ngram_min=1) if method == "ngram" else {}))
+    counts = _count_replays(engine)
+    assert [r.output_ids for r in engine.generate(prompts, params)] == plain
+    st = engine.drafter.stats.summary()
+    assert st["plain_steps"] > 0 and st["draft_tokens"] > 0 and engine.pool.num_used == 0, st
+    assert counts.get("verify_graph", 0) > 0, counts

@@ -413,6 +413,11 @@ def test_generate_json_reports_each_requests_drafts(folders, tmp_path, capsys):
     assert all(0 <= r["accepted_draft_tokens"] <= r["draft_tokens"] for r in rows)
     assert sum(r["accepted_draft_tokens"] for r in rows) > 0 and "draft_tokens" not in plain[0]
     assert "speculative decoding: " in err and "tokens per verification step" in err
+    assert "while at most 16 requests run (--speculative-max-batch)" in err
+    assert main(argv + ["--speculative", "ngram", "--speculative-max-batch", "1"]) == 0  # 3 requests: plain steps
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [r["token_ids"] for r in plain]
+    assert "plain steps (more requests ran than --speculative-max-batch)" in err
 
 
 def test_bench_infer_reports_accepted_per_position(folders, capsys):
@@ -431,6 +436,7 @@ def test_bench_infer_reports_accepted_per_position(folders, capsys):
         s = part["speculative"]
         assert len(s["accepted_per_position"]) == 2 and s["draft_tokens"] > 0
         assert s["mean_accepted_length"] == 1 + s["accepted_tokens"] / s["drafts"]
+        assert s["plain_steps"] == 0  # at most 4 requests run, under the default --speculative-max-batch 16
     assert r["latency"]["tpot_ms"] > 0 and r["throughput"]["output_tokens"] > 0
     assert main(argv + ["--workloads", "latency"]) == 0
     assert "drafts accepted" in capsys.readouterr().out
@@ -443,6 +449,8 @@ def test_bench_infer_reports_accepted_per_position(folders, capsys):
     (["--speculative", "mtp", "--ngram-max", "3"], "--ngram-max sets the prompt lookup of --speculative ngram"),
     (["--speculative", "ngram", "--num-speculative-tokens", "40", "--max-batched-tokens", "32"],
      "more than --max-batched-tokens 32"),
+    (["--speculative-max-batch", "4"], "--speculative-max-batch applies to speculative decoding"),
+    (["--speculative", "ngram", "--speculative-max-batch", "0"], "--speculative-max-batch must be >= 1"),
     (["--speculative", "mtp"], "has no MTP module"),
     (["--speculative", "ngram", "--json-schema", "schema.json"], "a grammar-constrained output does not draft"),
 ])

@@ -82,7 +82,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     sp = p.add_argument_group("speculative decoding (exact: greedy outputs are plain greedy's, sampled outputs keep "
                               "the model's distribution; docs/serve.md)")
-    from paraseek.infer.config import SPEC_DEFAULT_TOKENS, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN
+    from paraseek.infer.config import SPEC_DEFAULT_TOKENS, SPEC_MAX_BATCH, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN
 
     sp.add_argument("--speculative", choices=["mtp", "ngram"],
                     help="draft tokens and verify them in one forward: mtp, with the model's own multi-token-"
@@ -97,6 +97,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
                     f"{SPEC_NGRAM_MIN})")
     sp.add_argument("--ngram-max", type=int, metavar="N", help=f"ngram: the longest suffix looked up; the longest "
                     f"that occurred earlier proposes (default {SPEC_NGRAM_MAX})")
+    sp.add_argument("--speculative-max-batch", type=int, metavar="N",
+                    help=f"speculate while at most N requests run; above N, steps are plain decode steps (default "
+                    f"{SPEC_MAX_BATCH}: on an H100 both drafters cost throughput at 32 concurrent requests; "
+                    "docs/inference.md)")
     lo = p.add_argument_group("LoRA adapters (several at once, each request on its own; docs/serve.md)")
     lo.add_argument("--enable-lora", action="store_true",
                     help="allocate adapter slots (implied by the adapter and slot flags): adapters can be loaded "
@@ -178,7 +182,8 @@ def engine_config(ns: argparse.Namespace):
                        num_kv_blocks=ns.num_kv_blocks, kv_cache_gib=ns.kv_cache_gib, kv_cache_dtype=ns.kv_cache_dtype,
                        enable_prefix_caching=not ns.no_prefix_caching, enforce_eager=ns.enforce_eager, seed=ns.seed,
                        speculative=ns.speculative, num_speculative_tokens=ns.num_speculative_tokens,
-                       ngram_min=ns.ngram_min, ngram_max=ns.ngram_max)
+                       ngram_min=ns.ngram_min, ngram_max=ns.ngram_max,
+                       speculative_max_batch=ns.speculative_max_batch)
     if lora_enabled(ns):
         cfg.max_loras = ns.max_loras if ns.max_loras is not None else max(DEFAULT_MAX_LORAS, len(lora_modules(ns)))
         cfg.max_lora_rank = ns.max_lora_rank if ns.max_lora_rank is not None else cfg.max_lora_rank
@@ -727,12 +732,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def spec_line(s: dict) -> str:
     """The accepted drafts of speculative decoding in one line (infer/spec.SpecStats.summary)."""
+    plain = (f"; {s['plain_steps']:,} plain steps (more requests ran than --speculative-max-batch)"
+             if s.get("plain_steps") else "")
     if not s["draft_tokens"]:
-        return "speculative decoding: no drafts proposed"
+        return "speculative decoding: no drafts proposed" + plain
     per = ", ".join(f"{a:.0%}" if a is not None else "-" for a in s["accepted_per_position"])
     return (f"speculative decoding: {s['accepted_tokens']:,} of {s['draft_tokens']:,} drafts accepted "
             f"({s['accept_rate']:.1%}; by position {per}), {s['mean_accepted_length']:.2f} tokens per "
-            f"verification step")
+            f"verification step" + plain)
 
 
 def _result(p: Prompt, r, tokenizer, speculative: bool = False) -> dict[str, Any]:

@@ -23,6 +23,10 @@ SPEC_METHODS = ("mtp", "ngram")
 # verification, so it proposes more.
 SPEC_DEFAULT_TOKENS = {"mtp": 1, "ngram": 3}
 SPEC_NGRAM_MIN, SPEC_NGRAM_MAX = 2, 4
+# Speculate while at most this many requests run; above it steps are plain decode steps. Measured on one H100
+# (benchmarks/2026-12-05/speculative-v3cut-mtp-ngram-b1-c32-c128-h100.txt): at 32 concurrent requests both
+# drafters already cost output throughput (plain 27,589 tok/s, mtp K=1 17,630, ngram K=3 6,246).
+SPEC_MAX_BATCH = 16
 
 
 def offline_defaults(gpu_memory_gib: float | None, gpu_name: str = "") -> tuple[int, int, str]:
@@ -60,6 +64,7 @@ class EngineConfig:
     num_speculative_tokens: int | None = None  # drafts verified per step and request (K); None: SPEC_DEFAULT_TOKENS
     ngram_min: int | None = None  # the shortest suffix prompt lookup matches (None: SPEC_NGRAM_MIN)
     ngram_max: int | None = None  # the longest; the longest that matches wins (None: SPEC_NGRAM_MAX)
+    speculative_max_batch: int | None = None  # speculate while at most this many requests run (None: SPEC_MAX_BATCH)
 
     @property
     def spec_tokens(self) -> int:
@@ -67,6 +72,10 @@ class EngineConfig:
         if self.speculative is None:
             return 0
         return self.num_speculative_tokens or SPEC_DEFAULT_TOKENS[self.speculative]
+
+    @property
+    def spec_max_batch(self) -> int:
+        return SPEC_MAX_BATCH if self.speculative_max_batch is None else self.speculative_max_batch
 
     @property
     def ngram_range(self) -> tuple[int, int]:
@@ -97,7 +106,8 @@ class EngineConfig:
         """The speculative flags: one line for a value out of range or a flag that would not apply."""
         ngram = [f for f, v in (("--ngram-min", self.ngram_min), ("--ngram-max", self.ngram_max)) if v is not None]
         if self.speculative is None:
-            given = (["--num-speculative-tokens"] if self.num_speculative_tokens is not None else []) + ngram
+            given = (["--num-speculative-tokens"] if self.num_speculative_tokens is not None else []) + ngram + (
+                ["--speculative-max-batch"] if self.speculative_max_batch is not None else [])
             if given:
                 raise UserError(f"{given[0]} applies to speculative decoding: add --speculative mtp|ngram, or leave "
                                 "it out")
@@ -106,6 +116,8 @@ class EngineConfig:
             raise UserError(f"--speculative must be one of {', '.join(SPEC_METHODS)}, got {self.speculative!r}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise UserError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 1:
+            raise UserError(f"--speculative-max-batch must be >= 1, got {self.speculative_max_batch}")
         if self.spec_tokens + 1 > self.max_batched_tokens:
             raise UserError(f"--num-speculative-tokens {self.spec_tokens}: a request's step verifies its last token "
                             f"and {self.spec_tokens} drafts, more than --max-batched-tokens {self.max_batched_tokens}")

@@ -135,7 +135,8 @@ class Engine:
             self.drafter = make_drafter(cfg)
             log(f"speculative decoding: {cfg.speculative}, {cfg.spec_tokens} draft token(s) a step"
                 + (f", n-grams of {cfg.ngram_range[0]}..{cfg.ngram_range[1]} tokens" if cfg.speculative == "ngram"
-                   else ""))
+                   else "") + f"; while at most {cfg.spec_max_batch} requests run (--speculative-max-batch), plain "
+                "decode steps above")
         refusal = kv_fp8.refusal(cfg.kv_cache_dtype, self.device)
         if refusal:
             raise UserError(refusal)
@@ -385,7 +386,15 @@ class Engine:
         extra step whose token is dropped. Anything else (penalties, log-probabilities, min_tokens, tp > 1) reads
         each step back before the next."""
         if self.drafter is not None:
-            return self._step_speculative()
+            # Above --speculative-max-batch requests, plain decode steps: a big batch is no longer host-bound and
+            # the verification rows and drafting cost more than the accepted drafts save (config.SPEC_MAX_BATCH).
+            self.drafter.paused = len(self.scheduler.running) > self.cfg.spec_max_batch
+            self.drafter.stats.plain_steps += self.drafter.paused
+            if not self.drafter.paused:
+                return self.flush() + self._step_speculative()
+            if self.drafter.keeps_hidden:  # MTP: the drafter still fills its cache rows, no drafts (spec.Drafter)
+                return self._step_speculative()
+            self._drop_drafts()
         if self._host_sampled or self.tp > 1:
             return self.flush() + self._step_synchronous()
         prev, self._in_flight = self._in_flight, None
@@ -427,7 +436,7 @@ class Engine:
         """A step of a speculative engine (infer/spec.py): each drafting request's last token and drafts are one
         chunk whose rows all get logits; the drafts are verified and the accepted ones delivered with the target's
         own next token; then the drafter proposes the next drafts. Synchronous: those need this step's tokens."""
-        from paraseek.infer.spec import Verify, verify, verify_rows
+        from paraseek.infer.spec import Verify, verify, verify_greedy, verify_rows
 
         plan = self.scheduler.schedule()
         if not plan.items:
@@ -438,13 +447,16 @@ class Engine:
         logits = self._forward(hb)
         sampled = [s.sample for s in plan.items]
         items = [s for s, got_token in zip(plan.items, sampled) if got_token]
-        groups = []
-        for s in items:
-            req = s.request
-            drafts = req.drafts[:s.num_drafts]
-            q = req.draft_probs[:s.num_drafts] if req.draft_probs is not None and drafts else None
-            groups.append(Verify(drafts, q, verify_rows(self._sample_row(req), req, drafts)))
-        verdicts = verify(logits, groups)
+        if all(s.request.device_sampled and s.request.params.greedy for s in items):  # the argmax alone decides
+            verdicts = verify_greedy(self.runner.greedy(logits), [s.request.drafts[:s.num_drafts] for s in items])
+        else:
+            groups = []
+            for s in items:
+                req = s.request
+                drafts = req.drafts[:s.num_drafts]
+                q = req.draft_probs[:s.num_drafts] if req.draft_probs is not None and drafts else None
+                groups.append(Verify(drafts, q, verify_rows(self._sample_row(req), req, drafts)))
+            verdicts = verify(logits, groups)
         for s in plan.items:
             s.request.num_computed = s.start + s.n - s.num_drafts
         now = time.perf_counter()
@@ -461,6 +473,13 @@ class Engine:
             if s.request.status is Status.RUNNING:
                 self.scheduler.release_past(s.request, len(s.request.token_ids) + len(s.request.drafts))
         return [s.request for s in items]
+
+    def _drop_drafts(self) -> None:
+        """Before a plain step of a speculative engine: the running requests' drafts, and the blocks kept for them."""
+        for req in self.scheduler.running:
+            if req.drafts:
+                req.drafts, req.draft_probs = [], None
+                self.scheduler.release_past(req, len(req.token_ids))
 
     def _deliver(self, req: Request, v, now: float) -> None:
         """A verification's tokens, one by one as a plain step's (the text of all of them is the stream's delta);

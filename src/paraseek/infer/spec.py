@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -67,6 +68,38 @@ def ngram_drafts(token_ids, n_min: int, n_max: int, k: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """ngram_drafts of one growing sequence without rescanning it: for each n in [n_min, n_max], a dict from every
+    n-gram that ends before the sequence's last token to the start of its latest occurrence, extended by the tokens
+    appended since the last lookup (a step adds a few: O(new tokens x lengths) per step instead of O(context)). The
+    sequence only grows while its request drafts; a sequence that is another list or shorter is indexed anew."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self._reset(None)
+
+    def _reset(self, token_ids: list[int] | None) -> None:
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in range(self.n_min, self.n_max + 1)}
+        self.tokens = token_ids  # the indexed sequence (the request's own list)
+        self.length = 0  # its length at the last lookup
+
+    def drafts(self, token_ids: list[int], k: int) -> list[int]:
+        """ngram_drafts(token_ids, n_min, n_max, k)."""
+        L = len(token_ids)
+        if token_ids is not self.tokens or L < self.length:
+            self._reset(token_ids)
+        for n, latest in self.latest.items():
+            # The n-grams of token_ids[:L - 1] not indexed yet: starts from (old L - 1) - n + 1 to (L - 1) - n.
+            for i in range(max(0, self.length - n), L - n):
+                latest[tuple(token_ids[i:i + n])] = i
+        self.length = L
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            i = self.latest[n].get(tuple(token_ids[L - n:]))
+            if i is not None:
+                return token_ids[i + n:i + n + k]
+        return []
+
+
 # ---- accepted-draft counts ------------------------------------------------------------------------------------------
 @dataclass
 class SpecStats:
@@ -79,6 +112,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     proposed_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
+    plain_steps: int = 0  # engine steps without drafting: more requests ran than --speculative-max-batch
 
     def __post_init__(self) -> None:
         self.proposed_per_pos = self.proposed_per_pos or [0] * self.k
@@ -102,14 +136,16 @@ class SpecStats:
                 "accept_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
                 "accepted_per_position": [a / p if p else None for a, p in zip(self.accepted_per_pos,
                                                                                  self.proposed_per_pos)],
-                "mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None}
+                "mean_accepted_length": 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None,
+                "plain_steps": self.plain_steps}
 
     def since(self, before: SpecStats) -> SpecStats:
         """The counts added after the snapshot `before` (a copy taken with dataclasses.replace)."""
         return SpecStats(self.k, self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
                          self.num_accepted_tokens - before.num_accepted_tokens,
                          [a - b for a, b in zip(self.proposed_per_pos, before.proposed_per_pos)],
-                         [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)])
+                         [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)],
+                         self.plain_steps - before.plain_steps)
 
     def snapshot(self) -> SpecStats:
         return dataclasses.replace(self, proposed_per_pos=list(self.proposed_per_pos),
@@ -149,6 +185,25 @@ def verify(logits_RV: torch.Tensor, groups: list[Verify]) -> list[Verdict]:
         if g is not None:
             rows += len(g.rows)
     return out
+
+
+def verify_greedy(tokens_R: torch.Tensor, drafts: list[list[int]]) -> list[Verdict]:
+    """verify for greedy requests whose logits need no transform (no penalty, mask, bias, min_tokens or
+    log-probabilities): from the target's argmax of every row (groups' rows in order, len(drafts) + 1 each), one
+    read back and the accepted counts in one array pass: a draft is accepted while it and every draft before it
+    equal the argmax at their rows; the last token is the argmax at the row after the accepted ones."""
+    tok_R = tokens_R.cpu().numpy()
+    n_G = np.fromiter(map(len, drafts), np.int64, len(drafts))
+    start_G = np.cumsum(n_G + 1) - (n_G + 1)
+    K = int(n_G.max()) if len(drafts) else 0
+    accepted_G = np.zeros(len(drafts), np.int64)
+    if K:
+        d_GK = np.full((len(drafts), K), -1, np.int64)  # -1: no draft, never a token
+        d_GK[np.arange(K) < n_G[:, None]] = np.fromiter(chain.from_iterable(drafts), np.int64, int(n_G.sum()))
+        rows_GK = np.minimum(start_G[:, None] + np.arange(K), len(tok_R) - 1)
+        accepted_G = np.cumprod(d_GK == tok_R[rows_GK], axis=1).sum(axis=1)
+    last_G = tok_R[start_G + accepted_G].tolist()
+    return [Verdict(d[:a] + [t], a) for d, a, t in zip(drafts, accepted_G.tolist(), last_G)]
 
 
 def _verify(logits_RV: torch.Tensor, groups: list[Verify]) -> list[Verdict]:
@@ -240,11 +295,15 @@ class Drafter:
     def __init__(self, k: int):
         self.k = k
         self.stats = SpecStats(k)
+        # While more requests run than --speculative-max-batch: no drafts. The MTP drafter still fills its cache
+        # rows of every verified position (its steps stay speculative steps without drafts), so that its drafts
+        # after speculation resumes are the ones it would have made had it never paused.
+        self.paused = False
 
     def limit(self, req) -> int:
         """The drafts a request may take now: K, at most max_tokens - 1 beyond its output (the step delivers one
-        token of its own), none for a grammar-constrained request."""
-        if req.grammar is not None:
+        token of its own), none for a grammar-constrained request or while drafting is paused."""
+        if req.grammar is not None or self.paused:
             return 0
         return max(0, min(self.k, req.params.max_tokens - req.num_output - 1))
 
@@ -256,16 +315,24 @@ class NgramDrafter(Drafter):
     def __init__(self, k: int, n_min: int, n_max: int):
         super().__init__(k)
         self.n_min, self.n_max = n_min, n_max
+        self.index: dict[str, NgramIndex] = {}  # by request id, of the running requests
 
     def propose(self, engine, items, sampled: list[bool]) -> None:
         from paraseek.infer.scheduler import Status
 
         for s, got_token in zip(items, sampled):
             req = s.request
-            if got_token and req.status is Status.RUNNING:
+            if req.status is not Status.RUNNING:
+                self.index.pop(req.request_id, None)
+            elif got_token:
                 k = self.limit(req)
-                req.drafts = ngram_drafts(req.token_ids, self.n_min, self.n_max, k) if k else []
+                index = self.index.get(req.request_id)
+                if index is None:
+                    index = self.index[req.request_id] = NgramIndex(self.n_min, self.n_max)
+                req.drafts = index.drafts(req.token_ids, k) if k else []
                 req.draft_probs = None
+        if len(self.index) > 2 * len(engine.requests) + 16:  # aborted requests' indexes
+            self.index = {rid: ix for rid, ix in self.index.items() if rid in engine.requests}
 
 
 @dataclass
@@ -328,6 +395,10 @@ class MtpDrafter(Drafter):
     def _take(logits_SV: torch.Tensor, reqs: list, probs: dict) -> None:
         """Each request's next draft from the drafter's logits (rows in `reqs` order): a greedy request's argmax,
         a sampled request's draw from its distribution under the request's transforms (kept as q)."""
+        if all(r.params.greedy and r.device_sampled for r in reqs):  # no transform: the argmax alone
+            for r, t in zip(reqs, logits_SV.argmax(dim=-1).tolist()):
+                r.drafts.append(t)
+            return
         rows = [SampleRow(r.params, r.prompt_ids, [], r.generator) for r in reqs]
         d = distributions(logits_SV, rows)
         tokens = d.x_BV.argmax(dim=-1)
