@@ -95,7 +95,7 @@ def main() -> None:
     structured.backend_for(tok, VOCAB, engine.stop_token_ids).compile(spec)
     with torch.no_grad(), \
             timed(structured.Constraint, ["advance", "bitmask_W"], "grammar"), \
-            timed(structured, ["fill_masks"], "grammar"), \
+            timed(getattr(structured, "StepMasks", None), ["fill"], "grammar"), \
             timed(sampling, ["apply_masks"], "apply_masks"):
         free = run(engine, prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
         json_ = run(engine, prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0, structured=spec))

@@ -24,7 +24,7 @@ from paraseek.infer.config import ALLOCATOR_FRACTION, EngineConfig
 from paraseek.infer.model import InferenceModel
 from paraseek.infer.platform import for_device
 from paraseek.infer.runner import HostBatch, ModelRunner
-from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, sample
+from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, bitmask_words, sample
 from paraseek.infer.scheduler import Request, Scheduled, Scheduler, Status, StepPlan
 
 GiB = 2**30
@@ -170,6 +170,7 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_generated = self.num_prompt_tokens = 0
+        self._step_masks = None  # structured.StepMasks, made at the first grammar-constrained step
         self._host_sampled = 0  # requests that need host-side state to sample (penalties, log-probabilities...)
         self._in_flight: InFlight | None = None
         self._pinned_tokens = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
@@ -410,7 +411,8 @@ class Engine:
         if all(s.request.device_sampled and s.request.params.greedy for s in items):
             out = Sampled(self.runner.greedy(logits).tolist())
         else:
-            out = sample(logits, [self._sample_row(s.request) for s in items])
+            reqs = [s.request for s in items]
+            out = sample(logits, [self._sample_row(r, mask=False) for r in reqs], bitmask_BW=self._masks(reqs))
         for s in plan.items:
             s.request.num_computed = s.start + s.n
         now = time.perf_counter()
@@ -565,11 +567,24 @@ class Engine:
             if req.lora_slot >= 0:
                 self.loras.by_slot[req.lora_slot].running -= 1
 
-    def _sample_row(self, req: Request) -> SampleRow:
+    def _masks(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The grammar masks of a step whose rows are `reqs` (structured.StepMasks), filled on the host while the
+        step's forward runs on the device; None when no row is constrained."""
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        if self._step_masks is None:
+            from paraseek.infer import structured
+
+            self._step_masks = structured.StepMasks(self.cfg.max_num_seqs, bitmask_words(self.args.vocab_size),
+                                                    pin=self.device.type == "cuda")
+        return self._step_masks.fill([r.grammar for r in reqs], [r.output_ids for r in reqs])
+
+    def _sample_row(self, req: Request, mask: bool = True) -> SampleRow:
+        """mask=False: the grammar's mask is left to `_masks`."""
         p = req.params
         suppress = sorted(req.stop_ids) if req.num_output < p.min_tokens else []
         bitmask = None
-        if req.grammar is not None:  # on the host while the step's forward runs on the device
+        if req.grammar is not None and mask:  # on the host while the step's forward runs on the device
             req.grammar.advance(req.output_ids)
             bitmask = req.grammar.bitmask_W()
         return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress, bitmask,
