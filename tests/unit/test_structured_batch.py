@@ -95,8 +95,15 @@ def test_apply_masks_equals_a_plain_unpack():
 
 
 class PerRowMasks(Engine):
-    """The engine with each row's mask made by its own matcher (Constraint.advance, bitmask_W), as before the
-    batch."""
+    """The engine as before the batched masks: grammar-constrained requests take the synchronous step path, each
+    row's mask made by its own matcher (Constraint.advance, bitmask_W)."""
+
+    def add_request(self, *a, **kw):
+        req = super().add_request(*a, **kw)
+        if req.grammar is not None and req.device_sampled:
+            req.device_sampled = False
+            self._host_sampled += 1
+        return req
 
     def _masks(self, reqs):
         return None
@@ -105,21 +112,26 @@ class PerRowMasks(Engine):
         return super()._sample_row(req, mask=True)
 
 
-def test_engine_greedy_json_outputs_equal_the_per_row_masks(tok):
+def test_engine_json_outputs_equal_the_synchronous_per_row_masks(tok):
+    """Overlapped steps with batched masks (the previous step read back while this one's forward runs) give the
+    synchronous path's outputs: greedy, seeded sampling, json_object, and a free request in the same batch."""
     torch.manual_seed(0)
     model = build_model(ModelArgs.from_hf_config(preset_config("tiny-dense")), "cpu", torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
     prompts = [tok.encode(t) for t in ("The king", "A record of", "In the beginning", "Names:", "And he said")]
-    params = [SamplingParams(max_tokens=60, temperature=0, structured=SPEC)] * 3 + [
+    params = [SamplingParams(max_tokens=60, temperature=0, structured=SPEC)] * 2 + [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=3, structured=SPEC),
         SamplingParams(max_tokens=60, temperature=0, structured={"type": "json_object"}),
         SamplingParams(max_tokens=30, temperature=0)]
     outs = []
     for cls in (Engine, PerRowMasks):
         engine = cls(copy.deepcopy(model), EngineConfig(num_kv_blocks=256, block_size=8), tokenizer=tok, log=lambda *_: None)
-        outs.append([(r.output_ids, r.finish_reason) for r in engine.generate(prompts, params)])
+        reqs = engine.generate(prompts, params)
+        outs.append([(r.output_ids, r.finish_reason) for r in reqs])
         assert (engine._step_masks is not None) == (cls is Engine)
+        assert all(r.device_sampled for r in reqs) == (cls is Engine)  # Engine: the overlapped steps
     assert outs[0] == outs[1]
     backend = structured.backend_for(tok, 2048, engine.stop_token_ids)
     for (ids, _), p in zip(outs[0][:4], params):
