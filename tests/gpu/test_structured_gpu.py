@@ -37,6 +37,15 @@ def test_pinned_masks_on_the_gpu_equal_a_plain_unpack():
 
 
 class PerRowMasks(Engine):
+    """The synchronous step path with each row's own matcher's mask (as tests/unit/test_structured_batch.py)."""
+
+    def add_request(self, *a, **kw):
+        req = super().add_request(*a, **kw)
+        if req.grammar is not None and req.device_sampled:
+            req.device_sampled = False
+            self._host_sampled += 1
+        return req
+
     def _masks(self, reqs):
         return None
 
@@ -44,7 +53,7 @@ class PerRowMasks(Engine):
         return super()._sample_row(req, mask=True)
 
 
-def test_engine_greedy_json_outputs_on_the_gpu_equal_the_per_row_masks():
+def test_engine_greedy_json_outputs_on_the_gpu_equal_the_synchronous_per_row_masks():
     tok = load_text_tokenizer(BUNDLED_TOKENIZER)
     cfg = preset_config("tiny-dense")
     cfg["vocab_size"] = 128256
