@@ -24,7 +24,7 @@ from paraseek.infer.config import ALLOCATOR_FRACTION, EngineConfig
 from paraseek.infer.model import InferenceModel
 from paraseek.infer.platform import for_device
 from paraseek.infer.runner import HostBatch, ModelRunner
-from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, sample
+from paraseek.infer.sampling import SampleRow, Sampled, SamplingParams, bitmask_words, sample
 from paraseek.infer.scheduler import Request, Scheduled, Scheduler, Status, StepPlan
 
 GiB = 2**30
@@ -171,6 +171,7 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_generated = self.num_prompt_tokens = 0
+        self._step_masks = None  # structured.StepMasks, made at the first grammar-constrained step
         self._host_sampled = 0  # requests that need host-side state to sample (penalties, log-probabilities...)
         self._in_flight: InFlight | None = None
         self._pinned_tokens = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
@@ -338,12 +339,12 @@ class Engine:
         req = Request(request_id, list(prompt_ids), params, frozenset(stop), priority=priority)
         if adapter is not None:  # its slot for the forward, its salt for the prefix cache
             req.lora_slot, req.cache_salt = adapter.slot, adapter.salt
-        # Sampled from the logits alone (greedy, or temperature/top-k/top-p/min-p with its seed): the step's tokens
-        # can stay on the device, so steps overlap. Penalties, log-probabilities and min_tokens read the host, and so
-        # do masks and logit_bias (a grammar's mask is built on the host from the tokens so far): those requests take
-        # the synchronous step path.
+        # Sampled from the logits alone (greedy, or temperature/top-k/top-p/min-p with its seed) or with a grammar's
+        # mask (built on the host from the tokens so far, while the step's forward runs: see _launch): the step's
+        # tokens can stay on the device, so steps overlap. Penalties, log-probabilities, min_tokens,
+        # allowed_token_ids and logit_bias read the host: those requests take the synchronous step path.
         req.device_sampled = (not params.penalized and params.logprobs is None and params.min_tokens == 0
-                              and not params.masked)
+                              and not params.logit_bias and params.allowed_token_ids is None)
         if params.structured is not None:
             from paraseek.infer import structured
 
@@ -379,7 +380,7 @@ class Engine:
         """Run one scheduler step; returns the requests that received a token (finished ones included).
 
         When every request is sampled from the logits alone (greedy, or temperature / top-k / top-p / min-p, seeded
-        or not) and the replica is one process, steps overlap (vLLM's async scheduling):
+        or not) or with a grammar's mask, and the replica is one process, steps overlap (vLLM's async scheduling):
         a step is launched before the previous step's tokens are read back, its decode inputs taken from those
         tokens on the device, so the host's scheduling, input building and delivery run while the GPU computes. A
         token is then delivered one step after it was computed, and a request that ends on a stop token has run one
@@ -400,7 +401,9 @@ class Engine:
         prev, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
         if plan.items:
-            self._in_flight = self._launch(plan, prev)
+            self._in_flight, touched = self._launch(plan, prev)
+            if touched is not None:
+                return touched
         return self._read_back(prev) if prev else []
 
     def flush(self) -> list[Request]:
@@ -416,10 +419,11 @@ class Engine:
         self._broadcast(hb)
         logits = self.runner.run(hb)
         items = [s for s in plan.items if s.sample]
-        if all(s.request.device_sampled and s.request.params.greedy for s in items):
+        if all(s.request.device_sampled and s.request.params.greedy and s.request.grammar is None for s in items):
             out = Sampled(self.runner.greedy(logits).tolist())
         else:
-            out = sample(logits, [self._sample_row(s.request) for s in items])
+            reqs = [s.request for s in items]
+            out = sample(logits, [self._sample_row(r, mask=False) for r in reqs], bitmask_BW=self._masks(reqs))
         for s in plan.items:
             s.request.num_computed = s.start + s.n
         now = time.perf_counter()
@@ -505,20 +509,18 @@ class Engine:
         self._broadcast(hb)
         return self.runner.run(hb)
 
-    def _launch(self, plan: StepPlan, prev: InFlight | None) -> InFlight:
-        """Start a greedy step on the device; its tokens stay there (and in a placeholder at the end of each
-        request's token_ids) until `_read_back`."""
+    def _launch(self, plan: StepPlan, prev: InFlight | None) -> tuple[InFlight, list[Request] | None]:
+        """Start a step on the device; its tokens stay there (and in a placeholder at the end of each request's
+        token_ids) until `_read_back`. With grammar-constrained rows the previous step is read back here, after this
+        step's forward is launched and before it is sampled: the grammars advance by those tokens and fill this
+        step's masks while the forward runs. Returns the step and the requests that step delivered (None: not
+        read back yet)."""
         hb, src = self._host_batch(plan)
         # Decode rows whose input is the previous step's token, still on the device: the runner takes it from there.
         logits = self.runner.run(hb, src if prev is not None else None)
         items = [s for s in plan.items if s.sample]
-        if all(s.request.params.greedy for s in items):
-            tokens = self.runner.greedy(logits)
-        else:  # on the device, every row's noise in one launch; read back with the step's tokens
-            tokens = sample(logits, [SampleRow(s.request.params, [], [], s.request.generator,
-                                               seed=s.request.sample_seed, position=s.request.num_output)
-                                     for s in items], to_host=False).token_ids
-        self.runner.keep_tokens(tokens)
+        rows = [SampleRow(s.request.params, [], [], s.request.generator, seed=s.request.sample_seed,
+                          position=s.request.num_output) for s in items]
         for s in plan.items:
             s.request.num_computed = s.start + s.n
         positions = []
@@ -529,6 +531,15 @@ class Engine:
             req.pending += 1
             req.sample_row = i
             req.last_pending = (req.num_output >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len)
+        touched = masks_BW = None
+        if any(s.request.grammar is not None for s in items):
+            touched = self._read_back(prev) if prev is not None else []
+            masks_BW = self._masks([s.request for s in items])
+        if masks_BW is None and all(s.request.params.greedy for s in items):
+            tokens = self.runner.greedy(logits)
+        else:  # on the device, every row's noise in one launch; read back with the step's tokens
+            tokens = sample(logits, rows, to_host=False, bitmask_BW=masks_BW).token_ids
+        self.runner.keep_tokens(tokens)
         host, event = tokens, None
         if tokens.is_cuda:  # copied to pinned memory behind the step; the host waits only when it reads them
             self._flip ^= 1
@@ -538,7 +549,7 @@ class Engine:
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return InFlight(items, positions, host, event)
+        return InFlight(items, positions, host, event), touched
 
     def _read_back(self, f: InFlight) -> list[Request]:
         if f.event is not None:
@@ -584,11 +595,26 @@ class Engine:
             if req.lora_slot >= 0:
                 self.loras.by_slot[req.lora_slot].running -= 1
 
-    def _sample_row(self, req: Request) -> SampleRow:
+    def _masks(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The grammar masks of a step whose rows are `reqs` (structured.StepMasks), filled on the host while the
+        step's forward runs on the device; None when no row is constrained."""
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        if self._step_masks is None:
+            from paraseek.infer import structured
+
+            self._step_masks = structured.StepMasks(self.cfg.max_num_seqs, bitmask_words(self.args.vocab_size),
+                                                    pin=self.device.type == "cuda")
+        # the tokens known so far: a step launched and not yet read back holds a placeholder (-1) per request
+        return self._step_masks.fill([r.grammar for r in reqs],
+                                     [r.token_ids[r.num_prompt:len(r.token_ids) - r.pending] for r in reqs])
+
+    def _sample_row(self, req: Request, mask: bool = True) -> SampleRow:
+        """mask=False: the grammar's mask is left to `_masks`."""
         p = req.params
         suppress = sorted(req.stop_ids) if req.num_output < p.min_tokens else []
         bitmask = None
-        if req.grammar is not None:  # on the host while the step's forward runs on the device
+        if req.grammar is not None and mask:  # on the host while the step's forward runs on the device
             req.grammar.advance(req.output_ids)
             bitmask = req.grammar.bitmask_W()
         return SampleRow(p, req.prompt_ids, req.output_ids if p.penalized else [], req.generator, suppress, bitmask,

@@ -143,16 +143,20 @@ def sample_rows_per_chunk(vocab_size: int) -> int:
     return max(1, SAMPLE_CHUNK_LOGITS // vocab_size)
 
 
-def sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool = True) -> Sampled:
+def sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool = True,
+           bitmask_BW: torch.Tensor | None = None) -> Sampled:
     """One token per row. logits_BV are the model's logits (any float dtype); the work is done in fp32, in chunks
     of rows (SAMPLE_CHUNK_LOGITS) when the batch is large. to_host=False: `token_ids` is the [B] int64 tensor on the
-    logits' device (no wait for the step; no log-probabilities)."""
+    logits' device (no wait for the step; no log-probabilities). bitmask_BW: the rows' grammar masks as one host
+    tensor (int32 [B, ceil(V / 32)], all ones in an unconstrained row; structured.StepMasks), instead of the rows'
+    own bitmask_W."""
     B, V = logits_BV.shape
     step = sample_rows_per_chunk(V)
     if B <= step or all(r.params.greedy and not r.params.masked and not r.params.penalized and
                         r.params.logprobs is None for r in rows):
-        return _sample(logits_BV, rows, to_host)
-    parts = [_sample(logits_BV[i:i + step], rows[i:i + step], to_host) for i in range(0, B, step)]
+        return _sample(logits_BV, rows, to_host, bitmask_BW)
+    parts = [_sample(logits_BV[i:i + step], rows[i:i + step], to_host,
+                     None if bitmask_BW is None else bitmask_BW[i:i + step]) for i in range(0, B, step)]
     if not to_host:
         return Sampled(torch.cat([p.token_ids for p in parts]))
     out = Sampled([t for p in parts for t in p.token_ids])
@@ -176,7 +180,8 @@ class Distributions:
     greedy: list[bool]
 
 
-def distributions(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Distributions:
+def distributions(logits_BV: torch.Tensor, rows: list[SampleRow],
+                  bitmask_BW: torch.Tensor | None = None) -> Distributions:
     B, V = logits_BV.shape
     dev = logits_BV.device
     x_BV = logits_BV.float()
@@ -185,8 +190,8 @@ def distributions(logits_BV: torch.Tensor, rows: list[SampleRow]) -> Distributio
         for i, r in enumerate(rows):
             if r.suppress_ids:
                 x_BV[i, r.suppress_ids] = float("-inf")
-    if any(r.params.masked or r.bitmask_W is not None for r in rows):
-        x_BV = apply_masks(x_BV if x_BV is not logits_BV else x_BV.clone(), rows)
+    if bitmask_BW is not None or any(r.params.masked or r.bitmask_W is not None for r in rows):
+        x_BV = apply_masks(x_BV if x_BV is not logits_BV else x_BV.clone(), rows, bitmask_BW)
     if any(r.params.penalized for r in rows):
         x_BV = _apply_penalties(x_BV, rows)
     want_logprobs = any(r.params.logprobs is not None for r in rows)
@@ -302,8 +307,9 @@ def _draw_rows(probs_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return draw(probs_BV, [r.generator for r in rows])
 
 
-def _sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool) -> Sampled:
-    d = distributions(logits_BV, rows)
+def _sample(logits_BV: torch.Tensor, rows: list[SampleRow], to_host: bool,
+            bitmask_BW: torch.Tensor | None = None) -> Sampled:
+    d = distributions(logits_BV, rows, bitmask_BW)
     logprobs_BV = d.logprobs_BV
     if d.probs_BV is None:
         tokens_B = d.x_BV.argmax(dim=-1)
@@ -335,9 +341,10 @@ def chosen_logprobs(logprobs_BV: torch.Tensor, tokens_B: torch.Tensor,
     return lps, tops
 
 
-def apply_masks(x_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def apply_masks(x_BV: torch.Tensor, rows: list[SampleRow], bitmask_BW: torch.Tensor | None = None) -> torch.Tensor:
     """logit_bias, allowed_token_ids and grammar bitmasks, in place on x_BV (fp32). Each kind is one batched
-    operation on the device; the grammar masks (built on the host while the forward ran) go over in one copy."""
+    operation on the device; the grammar masks (built on the host while the forward ran: bitmask_BW, else the rows'
+    bitmask_W) go over in one copy and are applied by xgrammar's kernel (Triton on a GPU, C++ on the CPU)."""
     B, V = x_BV.shape
     dev = x_BV.device
     rows_i, ids, vals = [], [], []
@@ -358,17 +365,25 @@ def apply_masks(x_BV: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         ti = [t for i in allowed for t in rows[i].params.allowed_token_ids if t < V]
         keep_BV[torch.tensor(ri, device=dev, dtype=torch.long), torch.tensor(ti, device=dev, dtype=torch.long)] = True
         x_BV.masked_fill_(~keep_BV, float("-inf"))
-    masked = [i for i, r in enumerate(rows) if r.bitmask_W is not None]
-    if masked:
-        words_MW = torch.stack([rows[i].bitmask_W for i in masked])
+    if bitmask_BW is None and any(r.bitmask_W is not None for r in rows):
+        bitmask_BW = torch.full((B, bitmask_words(V)), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            if r.bitmask_W is not None:
+                bitmask_BW[i] = r.bitmask_W
         if dev.type == "cuda":
-            words_MW = words_MW.pin_memory().to(dev, non_blocking=True)
-        else:
-            words_MW = words_MW.to(dev)
-        keep_MV = unpack_bitmask(words_MW, V)
-        idx = torch.tensor(masked, device=dev)
-        x_BV[idx] = x_BV[idx].masked_fill(~keep_MV, float("-inf"))
+            bitmask_BW = bitmask_BW.pin_memory()
+    if bitmask_BW is not None:
+        import xgrammar as xgr  # only grammar-constrained requests have masks, and they need xgrammar
+
+        # From pinned memory the copy does not wait for the stream (a pageable one would); the sampled tokens are
+        # read back before the buffer is filled again.
+        xgr.apply_token_bitmask_inplace(x_BV, bitmask_BW.to(dev, non_blocking=True), vocab_size=V)
     return x_BV
+
+
+def bitmask_words(V: int) -> int:
+    """int32 words of a bitmask over V tokens."""
+    return (V + 31) // 32
 
 
 def unpack_bitmask(words_MW: torch.Tensor, V: int) -> torch.Tensor:
