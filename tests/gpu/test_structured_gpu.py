@@ -14,8 +14,9 @@ from paraseek.infer import structured  # noqa: E402
 from paraseek.infer.engine import Engine, EngineConfig  # noqa: E402
 from paraseek.infer.sampling import SampleRow, SamplingParams, apply_masks, unpack_bitmask  # noqa: E402
 from paraseek.models import ModelArgs, build_model, preset_config  # noqa: E402
-from paraseek.models.tokenizer import load_text_tokenizer  # noqa: E402
-from paraseek.train.data import BUNDLED_TOKENIZER  # noqa: E402
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER, load_text_tokenizer  # noqa: E402
+
+from grammar_reference import PerRowMasks  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SPEC = {"type": "json_schema", "schema": STRUCTURED_SCHEMA}
@@ -35,22 +36,6 @@ def test_pinned_masks_on_the_gpu_equal_a_plain_unpack():
     got_BV = apply_masks(x_BV.cuda(), rows, words_BW)
     assert torch.equal(got_BV.cpu(), want_BV)
 
-
-class PerRowMasks(Engine):
-    """The synchronous step path with each row's own matcher's mask (as tests/unit/test_structured_batch.py)."""
-
-    def add_request(self, *a, **kw):
-        req = super().add_request(*a, **kw)
-        if req.grammar is not None and req.device_sampled:
-            req.device_sampled = False
-            self._host_sampled += 1
-        return req
-
-    def _masks(self, reqs):
-        return None
-
-    def _sample_row(self, req, mask=True):
-        return super()._sample_row(req, mask=True)
 
 
 def test_engine_greedy_json_outputs_on_the_gpu_equal_the_synchronous_per_row_masks():

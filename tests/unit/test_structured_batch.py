@@ -15,8 +15,9 @@ from paraseek.infer import structured  # noqa: E402
 from paraseek.infer.engine import Engine, EngineConfig  # noqa: E402
 from paraseek.infer.sampling import SampleRow, SamplingParams, apply_masks, unpack_bitmask  # noqa: E402
 from paraseek.models import ModelArgs, build_model, preset_config  # noqa: E402
-from paraseek.models.tokenizer import load_text_tokenizer  # noqa: E402
-from paraseek.train.data import BUNDLED_TOKENIZER  # noqa: E402
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER, load_text_tokenizer  # noqa: E402
+
+from grammar_reference import PerRowMasks  # noqa: E402
 
 SPEC = {"type": "json_schema", "schema": STRUCTURED_SCHEMA}
 
@@ -61,9 +62,12 @@ def test_batched_fill_equals_one_matcher_at_a_time(tok):
     step_masks = structured.StepMasks(rows=8, words=backend.words, pin=False)
     rows = [backend.matcher(SPEC) for _ in walks] + [None]
     ended = 0
+    before = [0] * len(walks)
     for k in range(n):
         lengths = [2 * k if i == 1 else k for i in range(len(walks))]
-        got_BW = step_masks.fill(rows, [w[0][:m] for w, m in zip(walks, lengths)] + [[5] * k])
+        new = [w[0][b:m] for w, b, m in zip(walks, before, lengths)]  # the tokens sampled since the last fill
+        before = lengths
+        got_BW = step_masks.fill(rows, new + [[5]])
         assert got_BW is not None and got_BW.shape == (6, backend.words)
         for i, (w, m) in enumerate(zip(walks, lengths)):
             assert torch.equal(got_BW[i], w[1][m]), (k, i)
@@ -93,23 +97,6 @@ def test_apply_masks_equals_a_plain_unpack():
         r.bitmask_W = None if i == 2 else words_BW[i]
     assert torch.equal(apply_masks(x_BV.clone(), rows), want_BV)
 
-
-class PerRowMasks(Engine):
-    """The engine as before the batched masks: grammar-constrained requests take the synchronous step path, each
-    row's mask made by its own matcher (Constraint.advance, bitmask_W)."""
-
-    def add_request(self, *a, **kw):
-        req = super().add_request(*a, **kw)
-        if req.grammar is not None and req.device_sampled:
-            req.device_sampled = False
-            self._host_sampled += 1
-        return req
-
-    def _masks(self, reqs):
-        return None
-
-    def _sample_row(self, req, mask=True):
-        return super()._sample_row(req, mask=True)
 
 
 def test_engine_json_outputs_equal_the_synchronous_per_row_masks(tok):

@@ -605,9 +605,11 @@ class Engine:
 
             self._step_masks = structured.StepMasks(self.cfg.max_num_seqs, bitmask_words(self.args.vocab_size),
                                                     pin=self.device.type == "cuda")
-        # the tokens known so far: a step launched and not yet read back holds a placeholder (-1) per request
+        # the tokens known and not yet given to the grammar: a step launched and not yet read back holds a
+        # placeholder (-1) per request at the end
         return self._step_masks.fill([r.grammar for r in reqs],
-                                     [r.token_ids[r.num_prompt:len(r.token_ids) - r.pending] for r in reqs])
+                                     [r.token_ids[r.num_prompt + r.grammar.consumed:len(r.token_ids) - r.pending]
+                                      if r.grammar is not None else [] for r in reqs])
 
     def _sample_row(self, req: Request, mask: bool = True) -> SampleRow:
         """mask=False: the grammar's mask is left to `_masks`."""

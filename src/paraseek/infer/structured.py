@@ -152,11 +152,11 @@ class StepMasks:
         self.words_BW = torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pin)
         self.batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
 
-    def fill(self, constraints: list[Constraint | None], outputs: list[list[int]]) -> torch.Tensor | None:
+    def fill(self, constraints: list[Constraint | None], new_tokens: list[list[int]]) -> torch.Tensor | None:
         """Row i's mask for a step whose row i is a request with constraint constraints[i] (None: unconstrained)
-        and output tokens outputs[i]: a view words_BW[:B], every token allowed in a row without a live constraint;
-        None when no row has one. The view is overwritten by the next call."""
-        advance_all(constraints, outputs)
+        that sampled new_tokens[i] since the constraint last advanced: a view words_BW[:B], every token allowed in a
+        row without a live constraint; None when no row has one. The view is overwritten by the next call."""
+        advance_all(constraints, new_tokens)
         live = [i for i, c in enumerate(constraints) if c is not None and c.live]
         if not live:
             return None
@@ -171,12 +171,13 @@ class StepMasks:
         return words_BW
 
 
-def advance_all(constraints: list[Constraint | None], outputs: list[list[int]]) -> None:
-    """Constraint.advance for many requests, one batch_accept_token per position (a row has one new token a step
-    unless it was just admitted with some already known)."""
+def advance_all(constraints: list[Constraint | None], new_tokens: list[list[int]]) -> None:
+    """Constraint.advance for many requests given only the tokens each sampled since (the caller slices them: no
+    copy of a whole output per step), one batch_accept_token per position (a row has one new token a step unless it
+    was just admitted with some already known)."""
     import xgrammar as xgr
 
-    pending = [(c, o[c.consumed:]) for c, o in zip(constraints, outputs) if c is not None and c.consumed < len(o)]
+    pending = [(c, new) for c, new in zip(constraints, new_tokens) if c is not None and new]
     for k in range(max((len(new) for _, new in pending), default=0)):
         batch = [(c, new[k]) for c, new in pending if k < len(new) and c.live]
         if batch:
