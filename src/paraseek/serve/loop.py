@@ -162,16 +162,17 @@ class EngineLoop:
         while True:
             if cmd[0] == "add":
                 _, rid, prompt_ids, params, priority, lora = cmd
-                with self._lock:
-                    self.pending -= 1
                 emit = self._outputs.get(rid)
-                if emit is not None:  # not aborted meanwhile
-                    try:
+                try:
+                    if emit is not None:  # not aborted meanwhile
                         self.engine.add_request(rid, prompt_ids, params, stream_text=True, priority=priority,
                                                 lora=lora)
-                    except Exception as e:  # checked by the handler already; whatever slipped through is its 400
-                        self._outputs.pop(rid, None)
-                        emit(e)
+                except Exception as e:  # checked by the handler already; whatever slipped through is its 400
+                    self._outputs.pop(rid, None)
+                    emit(e)
+                finally:  # only once it is in the scheduler's queue, so that waiting() never misses it
+                    with self._lock:
+                        self.pending -= 1
             elif cmd[0] == "call":
                 try:
                     result = (True, cmd[1]())

@@ -87,8 +87,9 @@ class RemoteReplica:
                     emit = self._outputs.pop(rid, None)
                     if emit is not None:
                         emit(UserError(message) if status == 400 else RuntimeError(message))
-                elif kind == "added":
+                elif kind == "added":  # with the replica's waiting count, itself included, taken after the add
                     with self._pending_lock:
+                        self.stats = {**self.stats, "waiting": rest[0]}
                         self.pending -= 1
                 elif kind == "aborted":
                     if self.metrics is not None:
@@ -204,7 +205,8 @@ def serve_remote(loop: EngineLoop, address, key: bytes, index: int) -> None:
                 if kind == "add":
                     rid, prompt_ids, params, priority = rest
                     loop.submit_to(rid, prompt_ids, params, emitter(rid), priority)
-                    send(("added",))
+                    with send_lock:  # counted and sent under one lock: counts arrive in the order they were taken
+                        conn.send(("added", loop.waiting()))
                 elif kind == "abort":
                     loop.abort(rest[0])
                 elif kind == "stop":
@@ -216,7 +218,9 @@ def serve_remote(loop: EngineLoop, address, key: bytes, index: int) -> None:
     def push_stats() -> None:
         while not loop.stopped():
             try:
-                send(("stats", loop.engine.stats()))
+                stats = loop.engine.stats()
+                with send_lock:
+                    conn.send(("stats", {**stats, "waiting": loop.waiting()}))
             except OSError:
                 return
             time.sleep(STATS_EVERY_S)
