@@ -12,8 +12,7 @@ generation_config.json are copied), or, with --random-weights, a preset name or 
 architecture with random weights, drawn per tensor as paraseek's own initialization draws them: std 0.02, the
 residual projections scaled down, norms ones). --layers keeps the first N decoder layers (a large model cut to fit
 one GPU with its layers' shapes intact); the MTP layers (num_nextn_predict_layers, or --mtp-layers) follow them.
-Memory: one tensor plus one shard (--max-shard-gib, default 4). The tests write tiny V3-shaped folders with it; the
-GPU benchmark (scripts/gpu/infer_validate.py fp8) writes DeepSeek-V3 cut to 6 layers.
+Memory: one tensor plus one shard (--max-shard-gib, default 4). The tests write tiny V3-shaped folders with it.
 """
 
 from __future__ import annotations

@@ -11,13 +11,14 @@
 #   7. the GPU tests (tests/gpu/test_doctor_gpu.py)
 #   8. a summary: doctor / reference busbw ratios, P2P-disabled vs normal, findings per run
 # Everything printed also lands in log.txt.
-# Usage (repo root, on the device machine): bash scripts/gpu/doctor_check.sh [REFERENCE]   (writes to $OUT)
+# Usage (repo root, on the GPU machine): python scripts/gpu/validate.py doctor --out DIR --anchors DIR, or
+# bash scripts/gpu/doctor_check.sh [REFERENCE] (default $PARASEEK_ANCHORS/nccl_busbw.py; writes to $OUT)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/doctor_check}
 mkdir -p "$OUT"
-ANCHOR=${1:-.carry/nccl_busbw.py}
+ANCHOR=${1:-${PARASEEK_ANCHORS:-.}/nccl_busbw.py}
 LOG=$OUT/log.txt
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 {

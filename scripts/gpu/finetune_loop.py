@@ -1,22 +1,19 @@
-"""Fine-tuning on chat data on the GPU machine, in one run: tokens/s/GPU and peak memory of full fine-tuning and
-LoRA on a chat .jsonl beside the plain-text run of the same shape (the planner's prediction beside each), then the
-whole loop on the R1-Distill-Qwen-1.5B shape: train (full and LoRA) -> export (merged HF folder, PEFT adapter) ->
-`paraseek generate --chat` and `paraseek serve` answering a chat request.
+"""The fine-tuning suites of scripts/gpu/validate.py (`finetune`, `finetune_v2lite`): tokens/s/GPU and peak memory
+of full fine-tuning and LoRA on a chat .jsonl beside the plain-text run of the same shape (the planner's prediction
+beside each), then the whole loop on the R1-Distill-Qwen-1.5B shape: train (full and LoRA) -> export (merged HF
+folder, PEFT adapter) -> `paraseek generate --chat` and `paraseek serve` answering a chat request.
 
-    python scripts/gpu/finetune_loop.py GROUP[,GROUP...] --out DIR
+    python scripts/gpu/validate.py finetune,finetune_v2lite --out DIR
 
-Groups: qwen (R1-Distill-Qwen-1.5B, whole: text, chat full, chat LoRA; the chat runs with a validation loss, an
-HF export and a checkpoint), qwen_lora (its chat LoRA run alone), loop (after qwen or qwen_lora: export, generate
-and serve), v2lite (DeepSeek-V2-Lite cut to 6 layers
-so that full fine-tuning fits one GPU: the same three), v2lite_lora (the whole 27-layer V2-Lite, LoRA on chat).
-Models have random weights saved once as an HF folder (one seeded bf16 initialization, with the bundled tokenizer and
-R1-Distill's chat template); the chat corpus is built from the bundled text. FINETUNE_TINY=1 runs the plumbing on
-CPU with the tiny presets. All results go to DIR/finetune.json; the last lines printed are the table.
+finetune: R1-Distill-Qwen-1.5B, text, chat full and chat LoRA (the chat runs with a validation loss, an HF export and
+a checkpoint), then export, generate and serve. finetune_v2lite: DeepSeek-V2-Lite cut to 6 layers so that full
+fine-tuning fits one GPU, the same three runs. Models have random weights saved once as an HF folder (one seeded bf16
+initialization, with the bundled tokenizer and R1-Distill's chat template); the chat corpus is built from the bundled
+text. FINETUNE_TINY=1 runs the plumbing on CPU with the tiny presets.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -27,34 +24,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))
-from infer_validate import stop_server  # noqa: E402  (this folder's script: the server's SIGTERM and exit code)
+from suites import CORPUS, DEADLINE, ENV, MODELS, ROOT, sh, stop_server
+
 TINY = os.environ.get("FINETUNE_TINY") == "1"
-MODELS = Path(os.environ.get("VALIDATE_MODELS", "/tmp/validate-models"))  # big folders stay out of --out
-ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
-           PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
-CORPUS = ROOT / "src" / "paraseek" / "assets" / "corpus"
 TEMPLATE = ROOT / "tests" / "fixtures" / "chat_templates" / "deepseek_r1_distill_qwen.jinja"
 DEVICE = "cpu" if TINY else "cuda"
 SEQ = "256" if TINY else "4096"
 STEPS = "4" if TINY else "20"
-DEADLINE = time.time() + float(os.environ.get("FINETUNE_DEADLINE_S", "1e9"))  # the call's: cut a run, keep the rest
-
-
-def sh(argv: list[str], timeout: int) -> tuple[int, str]:
-    t0 = time.time()
-    timeout = max(1, min(timeout, int(DEADLINE - t0)))
-    try:
-        r = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        rc, text = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, text = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-    print(f"  [{time.time() - t0:.0f} s, rc {rc}] {' '.join(Path(a).name if '/' in a else a for a in argv[3:])[:170]}",
-          flush=True)
-    if rc:
-        print("\n".join(text.splitlines()[-10:]), flush=True)
-    return rc, text
 
 
 def model_folder(name: str, preset: str, layers: int | None) -> str:
@@ -160,7 +136,7 @@ def train(out: Path, name: str, argv: list[str], timeout: int = 300) -> dict:
 
 
 LORA = ["--lora-rank", "16", "--lora-alpha", "32"]
-WORK = MODELS / "loop"  # the qwen group's HF export and LoRA checkpoint, which the loop group exports and serves
+WORK = MODELS / "loop"  # group_qwen's HF export and LoRA checkpoint, which group_loop exports and serves
 
 
 def three(out: Path, tag: str, init: str, flags: list[str], full: list[str] = (), lora: list[str] = ()) -> list[dict]:
@@ -174,8 +150,8 @@ def three(out: Path, tag: str, init: str, flags: list[str], full: list[str] = ()
 
 
 def group_qwen(out: Path) -> list[dict]:
-    """The 1.5B shape; its chat runs also hold out 1% for a validation loss every 10 steps, and write what the loop
-    group uses: the full run an HF folder (--export-hf), the LoRA run a checkpoint."""
+    """The 1.5B shape; its chat runs also hold out 1% for a validation loss every 10 steps, and write what group_loop
+    uses: the full run an HF folder (--export-hf), the LoRA run a checkpoint."""
     init = model_folder("qwen15-chat", "tiny-dense" if TINY else "deepseek-r1-distill-qwen-1.5b", None)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -185,33 +161,14 @@ def group_qwen(out: Path) -> list[dict]:
                  [*evals, "--checkpoint-dir", str(WORK / "lora-ck")])
 
 
-def group_qwen_lora(out: Path) -> list[dict]:
-    """The qwen group's chat LoRA run alone (its checkpoint is what the loop group exports and serves)."""
-    init = model_folder("qwen15-chat", "tiny-dense" if TINY else "deepseek-r1-distill-qwen-1.5b", None)
-    WORK.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(WORK / "lora-ck", ignore_errors=True)
-    return [train(out, "qwen1.5b-chat-lora", ["--init-from", init, "--tokenizer", init, "--global-batch-size", "4",
-                                              "--micro-batch-size", "2", "--activation-checkpointing", "selective",
-                                              "--data", chat_data(out, 400 if TINY else 6000), *LORA, "--eval-split",
-                                              "0.01", "--eval-every", "10", "--checkpoint-dir", str(WORK / "lora-ck")])]
-
-
 def group_v2lite(out: Path) -> list[dict]:
     init = model_folder("v2lite6-chat", "tiny-moe" if TINY else "deepseek-v2-lite", None if TINY else 6)
     flags = ["--global-batch-size", "2", "--micro-batch-size", "2", "--activation-checkpointing", "selective"]
     return three(out, "v2lite6", init, flags)
 
 
-def group_v2lite_lora(out: Path) -> list[dict]:
-    init = model_folder("v2lite-chat", "tiny-moe" if TINY else "deepseek-v2-lite", None)
-    chat = chat_data(out, 400 if TINY else 6000)
-    return [train(out, "v2lite27-chat-lora", ["--init-from", init, "--tokenizer", init, "--data", chat,
-                                              "--global-batch-size", "2", "--micro-batch-size", "2",
-                                              "--activation-checkpointing", "selective", *LORA])]
-
-
 def group_loop(out: Path) -> list[dict]:
-    """After the qwen group: its LoRA checkpoint exported with --merge-lora and --export-adapter, `generate --chat`
+    """After group_qwen: its LoRA checkpoint exported with --merge-lora and --export-adapter, `generate --chat`
     from the full run's HF folder and from the merged one, and `serve` answering one chat completion."""
     runs = []
     for what, flag in (("merged", "--merge-lora"), ("adapter", "--export-adapter")):
@@ -221,7 +178,7 @@ def group_loop(out: Path) -> list[dict]:
     prompt = "In the beginning God created the heaven and the earth. What came next?"
     for what in ("full-hf", "merged"):
         if not (WORK / what).is_dir():
-            continue  # the qwen_lora group writes no full fine-tuning export
+            continue  # group_qwen cut short
         rc, text = sh([sys.executable, "-m", "paraseek", "generate", str(WORK / what), "--chat", "--prompt", prompt,
                        "--max-new-tokens", "24", "--json", "--quiet", "--device", DEVICE], 240)
         line = next((ln for ln in text.splitlines() if ln.startswith("{")), "")
@@ -255,28 +212,3 @@ def serve_chat(model: Path, prompt: str) -> dict:
     print(f"  serve chat: {answer[:300]} (exit {code})", flush=True)
     return {"name": "serve chat completion (merged)", "rc": rc if code == 0 else 1, "result": answer,
             "exit_code": code, "tail": log if rc else ""}
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("groups")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/finetune"))
-    a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for g in a.groups.split(","):
-        print(f"== {g} ({time.strftime('%H:%M:%S')})", flush=True)
-        results += globals()[f"group_{g}"](out)
-        (out / "finetune.json").write_text(json.dumps(results, indent=1))  # kept if the call is cut
-    for r in results:
-        keep = {k: r.get(k) for k in ("rc", "tokens_per_s_per_gpu", "mem_peak_gib", "mfu", "memory_error",
-                                      "memory_error_allocated", "loss_first_last", "files", "result")
-                if r.get(k) is not None}
-        if r.get("predicted") and "memory_gib" in r["predicted"]:
-            keep["predicted_gib"] = r["predicted"]["memory_gib"]
-        print(f"{r['name']}: {json.dumps(keep)[:400]}")
-
-
-if __name__ == "__main__":
-    main()

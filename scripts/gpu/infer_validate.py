@@ -1,31 +1,48 @@
-"""The inference measurements on a GPU machine in one run: the engine's GPU tests, `paraseek bench-infer` on the
-R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B and DeepSeek-V2-Lite shapes (random bf16 weights), 512 concurrent
-2,048-token prompts on a quarter of the GPU, and the baselines (HF `generate`, gpt-fast; their scripts in the folder
---anchors names) in the same run.
+"""Inference measurements on a GPU machine, as named suites (scripts/gpu/suites.py runs them; BENCHMARKS.md,
+"Reproducing", lists each one with the table it feeds). `paraseek bench-infer` runs on random bf16 weights of the
+R1-Distill-Llama-8B, R1-Distill-Qwen-1.5B, DeepSeek-V2-Lite and DeepSeek-V3 shapes at the engine's default flags.
 
-    python scripts/gpu/infer_validate.py GROUP[,GROUP...] --out DIR [--anchors DIR]
+    python scripts/gpu/infer_validate.py SUITE[,SUITE...] --out DIR [--anchors DIR]
 
-Groups: cases (bench-infer on each case of $BENCH_CASES), tests, llama8b, llama8b_latency, llama8b_sampled, qwen,
-qwen_all, v2lite_all, v3cut_latency, v2lite, v3cut (V3's first 6 layers), v3deep (V3's architecture at 27 layers of
-reduced width; V3DEEP_PROFILE=1 adds its batch-1 profile), profiles (scripts/gpu/decode_profile.py per case,
-this code and .baseline/'s), tune (the fused-MoE configs), gemv (the decode GEMV's configs), attn_tune (the
-paged decode attention's launch configs), stress, hf (HF generate on the same requests, 8B and 1.5B;
-hf8b, hfqwen one each), hfv2 (HF on V2-Lite), hfstatic, gptfast, serve (`paraseek serve` under `paraseek bench-serve`,
-then SIGTERM, then the engine offline at the same concurrency), serve2048 and serve1024 (the same with
---max-batched-tokens 2048 or 1024), soak (tests/serve/test_soak.py for $SOAK_S seconds, default 300), serve_profile
-(the server's CPU per streamed token by thread, and py-spy's samples at concurrency 32: carry py-spy's wheel in .whl),
-fp8 (V3's first 6 layers as an FP8 checkpoint, FP8 kept against dequantized bf16), fp8_8b (the 8B shape with
---quantization fp8 against bf16), lora (scripts/gpu/bench_lora_decode.py: a decode step of 64 sequences on the 8B shape with 8 rank-16 LoRA adapters
-against the base model, graphs on), spec (speculative decoding: a V3-shaped model cut to fit, trained with
---mtp-layers 1 on the bundled corpus and exported; batch-1 accept rate and speedup with --speculative mtp at K = 1, 2,
-3 and ngram on repeated passages, and throughput at 32 and 128 concurrent requests with and without it).
-All results go to DIR/summary.json (the device returns at most 8 files: one JSON, the test log, the plots); the
-last lines printed are the table.
+Suites (one GPU):
+  tests            the engine's GPU tests ($INFER_TESTS, default tests/gpu/test_infer_kernels.py and test_infer_gpu.py).
+  llama8b          the 8B shape: batch-1 latency, 1,000 requests offline, decode at 1, 8, 64 and 256 sequences.
+  llama8b_sampled  the 8B offline workload at temperature 0.8, top-p 0.95, each request seeded.
+  qwen             the 1.5B shape: the same workloads as llama8b.
+  v2lite           V2-Lite: the same with 500 requests, then decode at 64 sequences of 2,048 + 128 tokens.
+  v3cut            V3's config cut to its first 6 layers (3 dense + 3 MoE of 256 experts top-8, MLA with q_lora):
+                   batch-1 latency, 300 requests offline, decode at 64 sequences of 2,048 + 128 tokens.
+  v3deep           V3's architecture at 27 layers of reduced width: batch-1 latency and decode at 64 x 2,048
+                   (V3DEEP_PROFILE=1 adds its batch-1 profile).
+  gptfast          [peer: gpt-fast] compiled batch-1 decode of the 8B shape (gptfast_decode_peer.py), 128 + 256 tokens.
+  hf               transformers' `generate` (scripts/gpu/hf_requests_baseline.py) on the first 64 of the offline
+                   requests of the 8B and 1.5B shapes, and on 64 sequences of 2,048 tokens of V2-Lite.
+  profiles         scripts/gpu/decode_profile.py per case of $PROFILE_CASES (MODEL:BATCH:INPUT[:LAYERS], default
+                   V2-Lite at 1 x 128 and 64 x 2,048): engine step against graph replay, the top kernels of a replay.
+  tune             the fused-MoE tile configs of V2-Lite's and V3's experts (scripts/gpu/tune_fused_moe.py --write).
+  gemv             the decode GEMV's configs against cuBLAS at one row (scripts/gpu/bench_gemv.py --tune --write).
+  attn_tune        the paged decode attention's launch configs (scripts/gpu/tune_decode_attention.py --quick).
+  lora             a decode step of 64 sequences of the 8B shape with 8 rank-16 adapters against the base model
+                   (scripts/gpu/bench_lora_decode.py).
+  fp8_8b           the 8B shape quantized to FP8 blocks on load against bf16: weights, batch-1 decode, 300 requests
+                   offline, the final logits' relative L2.
+  stress           the 1.5B shape, 512 concurrent prompts of 2,048 tokens on a quarter of the GPU.
+  spec             speculative decoding: a V3-shaped model cut to fit, trained with --mtp-layers 1 on the bundled
+                   corpus ($SPEC_TRAIN_STEPS, default 300) and exported; batch-1 accept rate and speedup with mtp at
+                   K = 1, 2, 3 and ngram on repeated passages, and 32 and 128 concurrent requests with and without.
+  serve1024, serve2048, serve8192
+                   `paraseek serve` (8B shape) at --max-batched-tokens 1024 (the default), 2048 or 8192 under
+                   `paraseek bench-serve`: concurrency 1, 8, 32, 64 and Poisson 8 and 32 requests/s, 512-token prompts,
+                   128 output tokens; SIGTERM and its exit code; the engine offline at concurrency 32.
+  serve_structured free text against response_format json_schema and tools with tool_choice required, concurrency 32.
+  serve_profile    the server's CPU per streamed token by thread (from /proc) at concurrency 32, and py-spy's samples
+                   when py-spy is installed.
+  soak             tests/serve/test_soak.py for $SOAK_S seconds (default 300).
+INFER_VALIDATE_TINY=1 runs the plumbing on CPU with the tiny presets (spec, lora, serve_structured, fp8_8b).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -34,33 +51,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))  # groups that import paraseek here (spec) run from a checkout too
-# src first, then whatever the caller put on the path (the serve extra's wheels, installed with --target)
-ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
-           PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p))
-PY = sys.executable
+from suites import ENV, PY, ROOT, main, sh, stop_server
+
+sys.path.insert(0, str(ROOT / "src"))  # suites that import paraseek here (spec) run from a checkout too
 LLAMA, QWEN, V2LITE = "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b", "deepseek-v2-lite"
 if os.environ.get("INFER_VALIDATE_TINY") == "1":  # a CPU dry run of this script's plumbing with tiny models
     LLAMA, QWEN, V2LITE = "tiny-dense", "tiny-dense", "tiny-moe"
-
-
-_DEADLINE = time.time() + float(os.environ.get("INFER_DEADLINE_S", "1e9"))  # the whole run's: cut a run, keep the rest
-
-
-def sh(argv: list[str], timeout: int, env: dict | None = None) -> tuple[int, str]:
-    t0 = time.time()
-    timeout = max(1, min(timeout, int(_DEADLINE - t0)))
-    try:
-        r = subprocess.run(argv, env=env or ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        rc, out, err = r.returncode, r.stdout, r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out, err = 124, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
-    print(f"  [{time.time() - t0:.0f} s, rc {rc}] {' '.join(Path(x).name if '/' in x else x for x in argv[1:])[:170]}",
-          flush=True)
-    if rc:
-        print("\n".join((out + err).splitlines()[-12:]), flush=True)
-    return rc, out + ("\n" + err if err else "")
 
 
 def bench(out: Path, name: str, model: str, *flags: str, timeout: int = 240, random_weights: bool = True) -> dict:
@@ -76,7 +72,7 @@ def bench(out: Path, name: str, model: str, *flags: str, timeout: int = 240, ran
     return r
 
 
-def group_tests(out: Path, anchors: str) -> list[dict]:
+def group_tests(out: Path) -> list[dict]:
     rc, text = sh([PY, "-m", "pytest", "-q", "-x", "-m", "gpu", *(os.environ.get("INFER_TESTS") or
                    "tests/gpu/test_infer_kernels.py tests/gpu/test_infer_gpu.py").split()],
                   int(os.environ.get("INFER_TESTS_TIMEOUT", "240")))
@@ -84,53 +80,29 @@ def group_tests(out: Path, anchors: str) -> list[dict]:
     return [{"name": "gpu tests", "rc": rc, "summary": text.strip().splitlines()[-1] if text.strip() else ""}]
 
 
-def group_llama8b(out: Path, anchors: str) -> list[dict]:
+def group_llama8b(out: Path) -> list[dict]:
     """The 8B shape at default flags: batch-1 latency, the offline workload, decode at 1, 8, 64, 256 sequences (the
     runs scripts/planner/infer_predictions.py predicts)."""
     return [bench(out, "llama8b", LLAMA, "--concurrency", "1,8,64,256")]
 
 
-def group_llama8b_sampled(out: Path, anchors: str) -> list[dict]:
+def group_llama8b_sampled(out: Path) -> list[dict]:
     """The 8B offline workload sampled at temperature 0.8, top-p 0.95 (beside the greedy one of `llama8b`)."""
     return [bench(out, "llama8b-sampled", LLAMA, "--workloads", "throughput", "--temperature", "0.8", "--top-p", "0.95")]
 
 
-def group_qwen_all(out: Path, anchors: str) -> list[dict]:
+def group_qwen(out: Path) -> list[dict]:
     return [bench(out, "qwen", QWEN, "--concurrency", "1,8,64,256")]
 
 
-def group_v2lite_all(out: Path, anchors: str) -> list[dict]:
+def group_v2lite(out: Path) -> list[dict]:
     """V2-Lite at default flags (500 requests offline, decode at 1, 8, 64, 256), then 64 sequences of 2,048 + 128."""
     return [bench(out, "v2lite", V2LITE, "--concurrency", "1,8,64,256", "--num-requests", "500"),
             bench(out, "v2lite-2048", V2LITE, "--workloads", "concurrency", "--concurrency", "64",
                   "--concurrency-input", "2048", "--concurrency-output", "128")]
 
 
-def group_v3cut_latency(out: Path, anchors: str) -> list[dict]:
-    return [bench(out, "v3cut-latency", "deepseek-v3", "--layers", "6", "--workloads", "latency")]
-
-
-def group_llama8b_latency(out: Path, anchors: str) -> list[dict]:
-    return [bench(out, "llama8b-latency", LLAMA, "--workloads", "latency")]
-
-
-def group_qwen(out: Path, anchors: str) -> list[dict]:
-    return [bench(out, "qwen", QWEN, "--workloads", "latency,throughput")]
-
-
-def group_v2lite(out: Path, anchors: str) -> list[dict]:
-    r = bench(out, "v2lite", V2LITE, "--workloads", "latency,throughput,concurrency", "--num-requests", "500",
-              "--concurrency", "64", "--concurrency-input", "2048", "--concurrency-output", "128")
-    rc, text = sh([PY, "-m", "paraseek", "plan", "--mode", "infer", "--model", V2LITE, "--gpus", "1", "--gpu-type",
-                   "H200", "--seq-len", str(r.get("engine", {}).get("max_model_len", 32768)), "--json"], 120)
-    try:
-        r["plan_infer"] = json.loads(text[text.find("{"):text.rfind("}") + 1])
-    except json.JSONDecodeError:
-        r["plan_infer"] = None
-    return [r]
-
-
-def group_v3cut(out: Path, anchors: str) -> list[dict]:
+def group_v3cut(out: Path) -> list[dict]:
     """DeepSeek-V3's config cut to its first 6 layers (3 dense + 3 MoE: 256 experts top-8, noaux_tc, MLA with
     q_lora), the layer shapes V3 and R1 run, on one GPU."""
     return [bench(out, "v3cut", "deepseek-v3", "--layers", "6", "--workloads", "latency,throughput,concurrency",
@@ -138,7 +110,7 @@ def group_v3cut(out: Path, anchors: str) -> list[dict]:
                   "--concurrency-output", "128")]
 
 
-def group_v3deep(out: Path, anchors: str) -> list[dict]:
+def group_v3deep(out: Path) -> list[dict]:
     """V3's architecture at 27 layers of reduced width (hidden 2048, 16 heads, experts of width 512, 256 of them
     top-8, noaux_tc, MLA with q_lora): the fixed cost per layer that V3 and R1 pay 61 times a token."""
     from paraseek.models.args import preset_config
@@ -153,17 +125,7 @@ def group_v3deep(out: Path, anchors: str) -> list[dict]:
     rows = [bench(out, "v3deep", str(folder), "--workloads", "latency,concurrency", "--concurrency", "64",
                   "--concurrency-input", "2048", "--concurrency-output", "128")]
     if os.environ.get("V3DEEP_PROFILE") == "1":  # where its batch-1 step goes, kernel by kernel
-        rows += profile_cases(out, f"{folder}:1:128", ROOT, "profile")
-    return rows
-
-
-def group_cases(out: Path, anchors: str) -> list[dict]:
-    """bench-infer on each case of $BENCH_CASES: `NAME MODEL FLAG...` separated by `;` (random weights), e.g.
-    "v2lite-t8k deepseek-v2-lite --workloads throughput --num-requests 500 --max-batched-tokens 8192"."""
-    rows = []
-    for case in filter(None, (c.strip() for c in os.environ.get("BENCH_CASES", "").split(";"))):
-        name, model, *flags = case.split()
-        rows.append(bench(out, name, model, *flags, timeout=300))
+        rows += profile_cases(out, f"{folder}:1:128", "profile")
     return rows
 
 
@@ -230,54 +192,32 @@ def _fp8_compare(out: Path, name: str, model: str, fp8_flags: list[str], base_fl
     return results + [{"name": f"{name} summary", "rc": rc, "lines": summary, "logits": logit}]
 
 
-def group_fp8(out: Path, anchors: str) -> list[dict]:
-    """DeepSeek-V3's config cut to 6 layers (3 dense + 3 MoE) written as an FP8 folder by
-    scripts/write_fp8_checkpoint.py (random weights, V3's names and 128x128 block scales), served with its FP8 blocks
-    kept and from its dequantized bf16 load (--quantization none): weight memory, batch-1 decode ms/token, offline
-    throughput of 300 requests, and the final logits' relative L2 between the two."""
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix="v3fp8-")) / "v3-6layers-fp8"  # not under DIR: ~17 GB
-    v3, layers, device = ("tiny-moe", "3", "cpu") if V2LITE == "tiny-moe" else ("deepseek-v3", "6", "cuda")
-    rc, text = sh([PY, "scripts/write_fp8_checkpoint.py", v3, str(folder), "--random-weights", "--layers", layers,
-                   "--mtp-layers", "0", "--device", device], 420)
-    if rc:
-        return [{"name": "fp8 write", "rc": rc, "summary": text.strip().splitlines()[-1] if text.strip() else ""}]
-    return _fp8_compare(out, "v3cut", str(folder), ["--quantization", "fp8"], ["--quantization", "none"])
-
-
-def group_fp8_8b(out: Path, anchors: str) -> list[dict]:
+def group_fp8_8b(out: Path) -> list[dict]:
     """The R1-Distill-Llama-8B shape (random bf16 weights) quantized on load (--quantization fp8) against bf16."""
     return _fp8_compare(out, "llama8b", LLAMA, ["--random-weights", "--quantization", "fp8"], ["--random-weights"])
 
 
-def profile_cases(out: Path, cases: str, src: Path, name: str) -> list[dict]:
-    """scripts/gpu/decode_profile.py (this checkout's script) on the code of `src` for each case MODEL:BATCH:INPUT[:LAYERS]
-    (LAYERS: bench-infer's --layers): engine step vs replay and the top kernels of one replay, one file per case."""
+def profile_cases(out: Path, cases: str, name: str) -> list[dict]:
+    """scripts/gpu/decode_profile.py for each case MODEL:BATCH:INPUT[:LAYERS] (LAYERS: bench-infer's --layers): engine
+    step vs replay and the top kernels of one replay, one file per case."""
     lines = []
-    env = dict(ENV, PYTHONPATH=str(src / "src"))
     for case in cases.split(","):
         model, batch, inp, *layers = case.split(":")
         flags = ["--layers", layers[0]] if layers else []
         # 128 sequences at most: fewer graphs to capture; the profiled batch's graph is the same.
         rc, text = sh([PY, str(ROOT / "scripts/gpu/decode_profile.py"), model, "--batch", batch, "--input", inp,
-                       "--max-num-seqs", str(max(128, int(batch))), *flags], 240, env)
+                       "--max-num-seqs", str(max(128, int(batch))), *flags], 240)
         short = {LLAMA: "llama8b", QWEN: "qwen", V2LITE: "v2lite", "deepseek-v3": "v3cut"}.get(model, Path(model).name)
         (out / f"{name}-{short}-b{batch}.txt").write_text(text)
         lines += [l for l in text.splitlines() if l.startswith("PROFILE")] or [f"PROFILE {case} rc {rc}"]
     return [{"name": name, "rc": 0, "lines": lines}]
 
 
-def group_profiles(out: Path, anchors: str) -> list[dict]:
-    """Decode profiles of this code ($PROFILE_CASES) and, when .baseline/ holds an earlier checkout
-    (`git archive REV src | tar -x -C .baseline`), of that code ($PROFILE_BASELINE_CASES): before/after in one run."""
-    rows = profile_cases(out, os.environ.get("PROFILE_CASES", f"{V2LITE}:1:128,{V2LITE}:64:2048"), ROOT, "profile")
-    if (ROOT / ".baseline/src").is_dir() and os.environ.get("PROFILE_BASELINE_CASES"):
-        rows += profile_cases(out, os.environ["PROFILE_BASELINE_CASES"], ROOT / ".baseline", "profile-before")
-    return rows
+def group_profiles(out: Path) -> list[dict]:
+    return profile_cases(out, os.environ.get("PROFILE_CASES", f"{V2LITE}:1:128,{V2LITE}:64:2048"), "profile")
 
 
-def group_tune(out: Path, anchors: str) -> list[dict]:
+def group_tune(out: Path) -> list[dict]:
     """The fused-MoE tile configs for V2-Lite's and V3's expert shapes (scripts/gpu/tune_fused_moe.py --write)."""
     shapes = os.environ.get("TUNE_SHAPES", "v2-lite v3").split()
     rc, text = sh([PY, "scripts/gpu/tune_fused_moe.py", "--shapes", *shapes, "--write"], 420)
@@ -286,7 +226,7 @@ def group_tune(out: Path, anchors: str) -> list[dict]:
     return [{"name": "tune", "rc": rc, "lines": text.strip().splitlines()[-30:]}]
 
 
-def group_gemv(out: Path, anchors: str) -> list[dict]:
+def group_gemv(out: Path) -> list[dict]:
     """The decode GEMV's configs against cuBLAS at one row ($GEMV_MODELS, default the 8B, V2-Lite and V3 shapes):
     scripts/gpu/bench_gemv.py --tune --write, then the written src/paraseek/infer/gemv_configs.json."""
     models = os.environ.get("GEMV_MODELS", "r1-distill-llama-8b deepseek-v2-lite deepseek-v3").split()
@@ -298,14 +238,14 @@ def group_gemv(out: Path, anchors: str) -> list[dict]:
     return [{"name": "gemv tune", "rc": rc, "lines": text.strip().splitlines()[-40:]}]
 
 
-def group_attn_tune(out: Path, anchors: str) -> list[dict]:
+def group_attn_tune(out: Path) -> list[dict]:
     """The paged decode attention kernels' launch configs (scripts/gpu/tune_decode_attention.py --quick)."""
     rc, text = sh([PY, "scripts/gpu/tune_decode_attention.py", "--quick"], 300)
     (out / "attn-tune.txt").write_text(text)
     return [{"name": "attention tune", "rc": rc, "lines": [l for l in text.splitlines() if l.startswith("TUNE")]}]
 
 
-def group_stress(out: Path, anchors: str) -> list[dict]:
+def group_stress(out: Path) -> list[dict]:
     """Many long prompts on little memory: R1-Distill-Qwen-1.5B, 512 concurrent requests of 2,048-token prompts."""
     # At 25% of the GPU (35 GiB) the pool holds fewer tokens than 512 x 2,176: the scheduler must preempt.
     return [bench(out, "stress", QWEN, "--workloads", "throughput", "--num-requests", "512", "--input-len", "2048",
@@ -320,28 +260,19 @@ def hf(out: Path, name: str, *flags: str, timeout: int = 150) -> dict:
     return r
 
 
-def group_hf8b(out: Path, anchors: str) -> list[dict]:
-    return [hf(out, "hf-llama8b", "--preset", LLAMA, "--batch", "64", "--requests", "64")]
+def group_hf(out: Path) -> list[dict]:
+    return [hf(out, "hf-llama8b", "--preset", LLAMA, "--batch", "64", "--requests", "64"),
+            hf(out, "hf-qwen", "--preset", QWEN, "--batch", "64", "--requests", "64"),
+            hf(out, "hf-v2lite", "--preset", V2LITE, "--batch", "64", "--fixed", "2048:16", timeout=200)]
 
 
-def group_hfqwen(out: Path, anchors: str) -> list[dict]:
-    return [hf(out, "hf-qwen", "--preset", QWEN, "--batch", "64", "--requests", "64")]
-
-
-def group_hf(out: Path, anchors: str) -> list[dict]:
-    return group_hf8b(out, anchors) + group_hfqwen(out, anchors)
-
-
-def group_hfv2(out: Path, anchors: str) -> list[dict]:
-    return [hf(out, "hf-v2lite", "--preset", V2LITE, "--batch", "64", "--fixed", "2048:16", timeout=200)]
-
-
-def group_serve(out: Path, anchors: str, server_flags: tuple[str, ...] = (), seed: int = 1) -> list[dict]:
-    """`paraseek serve` (8B shape, random weights) under `paraseek bench-serve`: concurrency 1, 8, 32, 64 and a
-    request-rate sweep, 512-token prompts and 128 output tokens; then SIGTERM and its exit code."""
+def serve_sweep(out: Path, tokens_per_step: int, seed: int) -> list[dict]:
+    """`paraseek serve` (8B shape, random weights) at --max-batched-tokens `tokens_per_step` under `paraseek
+    bench-serve`: concurrency 1, 8, 32, 64 and a request-rate sweep, 512-token prompts and 128 output tokens; then
+    SIGTERM and its exit code."""
     # A seed per invocation (each sweep point draws its own prompts too): no run finds another's prompts in
     # the server's prefix cache; each run reports the hit rate it got.
-    results = _serve(out, list(server_flags),
+    results = _serve(out, ["--max-batched-tokens", str(tokens_per_step)],
                      [["--max-concurrency", "1", "--num-prompts", "8", "--seed", str(seed)],
                       ["--max-concurrency", "32", "--sweep", "8,32,64", "--num-prompts", "128", "--seed",
                        str(seed + 1), "--plot", str(out / "serve-concurrency.png")],
@@ -353,8 +284,8 @@ def group_serve(out: Path, anchors: str, server_flags: tuple[str, ...] = (), see
     return results
 
 
-def group_serve_structured(out: Path, anchors: str) -> list[dict]:
-    """What structured outputs and tool calls cost the server: concurrency 32, the serve group's lengths, free text
+def group_serve_structured(out: Path) -> list[dict]:
+    """What structured outputs and tool calls cost the server: concurrency 32, serve_sweep's lengths, free text
     against response_format json_schema and against chat with tools and tool_choice required (bench-serve
     --structured), on one server; the throughput ratio of each to free text. Random weights: the grammar, not the
     model, shapes each output, and every request runs to its output length or its grammar's end."""
@@ -379,18 +310,7 @@ def group_serve_structured(out: Path, anchors: str) -> list[dict]:
     return results
 
 
-def group_serve2048(out: Path, anchors: str) -> list[dict]:
-    """The serve group with 2048 tokens per step instead of 8192 (new seeds: nothing in the cache from a run
-    before)."""
-    return group_serve(out, anchors, ("--max-batched-tokens", "2048"), seed=11)
-
-
-def group_serve1024(out: Path, anchors: str) -> list[dict]:
-    """The serve group with 1024 tokens per step (new seeds)."""
-    return group_serve(out, anchors, ("--max-batched-tokens", "1024"), seed=21)
-
-
-def group_soak(out: Path, anchors: str) -> list[dict]:
+def group_soak(out: Path) -> list[dict]:
     """tests/serve/test_soak.py on the GPU machine for SOAK_S seconds (default 300; CI runs it for 30): a steady rate
     above the server's capacity; the queue bound, /health, no lost request and flat memory are the test's asserts."""
     seconds = os.environ.get("SOAK_S", "300")
@@ -405,8 +325,8 @@ def group_soak(out: Path, anchors: str) -> list[dict]:
              "summary": " | ".join(lines)[-400:]}]
 
 
-def group_serve_profile(out: Path, anchors: str) -> list[dict]:
-    """Where the server's time goes at concurrency 32 (the serve group's lengths): each server thread's CPU seconds
+def group_serve_profile(out: Path) -> list[dict]:
+    """Where the server's time goes at concurrency 32 (serve_sweep's lengths): each server thread's CPU seconds
     per streamed token (from /proc), and py-spy's samples of the server by thread and function (py-spy from the
     carried wheels, if there)."""
     return _serve(out, [], [["--max-concurrency", "32", "--num-prompts", "256", "--seed", "8"]], profile=True)
@@ -502,29 +422,12 @@ def _serve(out: Path, server_flags: list[str], bench_flags: list[list[str]], pro
     return results
 
 
-def stop_server(server: subprocess.Popen, timeout: int) -> int | str:
-    """SIGTERM (the server drains and exits), then its exit code; killed if it has not exited within `timeout` s."""
-    server.send_signal(signal.SIGTERM)
-    try:
-        return server.wait(timeout)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        return f"killed after {timeout} s"
-
-
 def _serve_row(r: dict) -> str:
     t = r.get("ttft_ms", {})
     p = r.get("tpot_ms", {})
     return (f"c={r.get('max_concurrency')} rate={r.get('request_rate')}: {r.get('output_throughput', 0):,.0f} out tok/s, "
             f"TTFT p50 {t.get('p50') or 0:.0f} p99 {t.get('p99') or 0:.0f} ms, TPOT p50 {p.get('p50') or 0:.1f} ms, "
             f"prefix hits {r.get('prefix_cache_hit_rate', float('nan')):.0%}")
-
-
-def group_hfstatic(out: Path, anchors: str) -> list[dict]:
-    rc, text = sh([PY, f"{anchors}/hf_generate_baseline.py", "--model", "llama8b", "--modes", "static",
-                   "--batches", "32"], 400)
-    (out / "hfstatic.txt").write_text(text)
-    return [{"name": "hf static (anchors)", "rc": rc, "lines": [l for l in text.splitlines() if l.startswith("HFGEN")]}]
 
 
 def group_gptfast(out: Path, anchors: str) -> list[dict]:
@@ -534,7 +437,7 @@ def group_gptfast(out: Path, anchors: str) -> list[dict]:
     return [{"name": "gpt-fast", "rc": rc, "lines": [l for l in text.splitlines() if l.startswith("GPTFAST")]}]
 
 
-def group_lora(out: Path, anchors: str) -> list[dict]:
+def group_lora(out: Path) -> list[dict]:
     tiny = ["--context", "64", "--batch", "8", "--reps", "5"] if os.environ.get("INFER_VALIDATE_TINY") == "1" else []
     rc, text = sh([PY, str(ROOT / "scripts/gpu/bench_lora_decode.py"), "--model", LLAMA, *tiny], 900)
     (out / "lora.txt").write_text(text)
@@ -558,7 +461,7 @@ def expected_speedup(a: float, k: int, c: float) -> float:
     return tokens / (1 + k * c)
 
 
-def group_spec(out: Path, anchors: str) -> list[dict]:
+def group_spec(out: Path) -> list[dict]:
     """Speculative decoding on a V3-shaped model cut to fit (MLA with q_lora, noaux_tc MoE, one MTP layer) trained
     here for $SPEC_TRAIN_STEPS (default 300) steps on the bundled corpus with --mtp-layers 1, so that its drafts
     mean something, and exported: bench-infer at batch 1 (prompts from the corpus) without speculation, with
@@ -672,21 +575,31 @@ def row(r: dict) -> str:
     return " | ".join(parts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("groups")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--anchors", default=str(ROOT / ".anchors"))
-    a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for g in a.groups.split(","):
-        print(f"== {g}", flush=True)
-        results += globals()[f"group_{g}"](out, a.anchors)
-        (out / "summary.json").write_text(json.dumps(results, indent=1, default=str))  # kept if the run is cut short
-    print("\n".join(row(r) for r in results), flush=True)
-
+SUITES = {
+    "tests": (group_tests, ()),
+    "llama8b": (group_llama8b, ()),
+    "llama8b_sampled": (group_llama8b_sampled, ()),
+    "qwen": (group_qwen, ()),
+    "v2lite": (group_v2lite, ()),
+    "v3cut": (group_v3cut, ()),
+    "v3deep": (group_v3deep, ()),
+    "gptfast": (group_gptfast, ("gptfast_decode_peer.py",)),
+    "hf": (group_hf, ()),
+    "profiles": (group_profiles, ()),
+    "tune": (group_tune, ()),
+    "gemv": (group_gemv, ()),
+    "attn_tune": (group_attn_tune, ()),
+    "lora": (group_lora, ()),
+    "fp8_8b": (group_fp8_8b, ()),
+    "stress": (group_stress, ()),
+    "spec": (group_spec, ()),
+    "serve1024": (lambda out: serve_sweep(out, 1024, seed=21), ()),
+    "serve2048": (lambda out: serve_sweep(out, 2048, seed=11), ()),
+    "serve8192": (lambda out: serve_sweep(out, 8192, seed=1), ()),
+    "serve_structured": (group_serve_structured, ()),
+    "serve_profile": (group_serve_profile, ()),
+    "soak": (group_soak, ()),
+}
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, SUITES, row)

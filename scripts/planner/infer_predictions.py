@@ -11,7 +11,7 @@ for V2-Lite, prompts U(64, 1024), outputs U(64, 512), seed 0), and V2-Lite at 64
 The engine's flags are priced as `plan --mode infer` takes them by default on an H200 (planner.infer.engine_defaults:
 1,024 sequences, 16,384 tokens a step), the KV pool as the planner sizes it at max_model_len 32,768.
 
---check reads bench-infer's JSON (one document, or a list of them such as scripts/gpu/infer_validate.py's summary),
+--check reads bench-infer's JSON (one document, or a list of them such as scripts/gpu/infer_validate.py's results.json),
 matches each of its workloads to a predicted run of the same model (concurrency: the run with the same levels
 first) and prints predicted vs measured with the error of each row; a measured engine setting that differs from
 the predicted one is noted first (runs at other settings are not the predicted ones).
