@@ -81,7 +81,7 @@ def test_compiled_is_never_slower_nor_larger_than_eager(name, gpus, plan, gbs):
 def test_a_compiled_plan_with_headroom_wins_the_7b_on_one_h200():
     """The 7B on one H200 at global batch 2: mbs 2 without checkpointing, eager (predicted 134 GiB; measured 130 GiB
     of 140 and 7,415 tokens/s, the allocator thrashing) must lose to mbs 2 selective --compile (measured 12,455
-    tokens/s at 106 GiB; BENCHMARKS.md, "Memory headroom")."""
+    tokens/s at 106 GiB; docs/planner.md, "Memory headroom")."""
     a, c = model("deepseek-llm-7b"), make_cluster("H200", 1)
     best = best_plan(a, c, 4096, 2)
     assert best.plan.compile and not best.tight
