@@ -104,9 +104,9 @@ def main() -> None:
                    help="only profile 3 compiled fwd+bwd of bf16 and fp8 at TOKENS: the top CUDA kernels")
     a = p.parse_args()
     if a.autotune:
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.max_autotune_gemm = True
+        inductor_config.max_autotune_gemm = True
     if a.profile:
         return profile(a.profile)
     args = ModelArgs.from_hf_config(preset_config("deepseek-v2-lite"))

@@ -40,7 +40,7 @@ from paraseek.models.deepseek import MoE, grouped_mm  # noqa: E402
 PRESET = "deepseek-v2-lite"
 
 
-# ---- helpers ----------------------------------------------------------------------------------------------------------
+# ---- measures --------------------------------------------------------------------------------------------------------
 def rel_maxabs(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """(max|a-b|, max|a-b| / max|b|) in fp32."""
     a, b = a.float(), b.float()

@@ -117,7 +117,7 @@ def group_v3deep(out: Path) -> list[dict]:
 
     import tempfile
 
-    folder = Path(tempfile.mkdtemp(prefix="v3deep-"))  # not under DIR: the device returns a few files only
+    folder = Path(tempfile.mkdtemp(prefix="v3deep-"))  # not under DIR: model folders stay out of the results
     cfg = dict(preset_config("deepseek-v3"), num_hidden_layers=27, hidden_size=2048, num_attention_heads=16,
                intermediate_size=5632, moe_intermediate_size=512, q_lora_rank=768, num_nextn_predict_layers=0)
     cfg.pop("quantization_config", None)
@@ -473,7 +473,7 @@ def group_spec(out: Path) -> list[dict]:
     from paraseek.models.args import preset_config
     from paraseek.train.data import BUNDLED_CORPUS
 
-    work = Path(tempfile.mkdtemp(prefix="spec-"))  # not under DIR: the device returns a few files only
+    work = Path(tempfile.mkdtemp(prefix="spec-"))  # not under DIR: model folders stay out of the results
     cfg = dict(preset_config("deepseek-v3"), num_hidden_layers=8, first_k_dense_replace=1, hidden_size=1024,
                num_attention_heads=16, intermediate_size=2816, moe_intermediate_size=256, n_routed_experts=64,
                num_experts_per_tok=6, q_lora_rank=384, vocab_size=2048, max_position_embeddings=4096,

@@ -332,7 +332,7 @@ MTP_SEQ, MTP_BATCH, MTP_STEPS = 4096, 4, 10
 
 
 def mtp_predictions() -> list[dict]:
-    """The plan half of the mtp group (runs on a CPU too): per model, `paraseek plan ... --mtp-layers 1 --json`'s first
+    """The plan half of the mtp suite (runs on a CPU too): per model, `paraseek plan ... --mtp-layers 1 --json`'s first
     plan on one H200, its train flags, and the predicted step time and allocated peak with and without the modules."""
     from paraseek.planner.memory import ALLOCATOR_BASE, ALLOCATOR_FRACTION, CUDA_CONTEXT, GiB
 
