@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from paraseek.errors import UserError
 from paraseek.train import data
 from paraseek.train.data import BUNDLED_CORPUS, DataLoader, open_dataset
-from paraseek.models.tokenizer import BUNDLED_TOKENIZER
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER, load_text_tokenizer
 
 WORDS = "the devil a dictionary of wit and wisdom in which every word is defined by its worst use".split()
 TOK = Tokenizer.from_file(str(BUNDLED_TOKENIZER))
@@ -268,6 +268,26 @@ def test_tokenizer_missing(tmp_path):
         open_(tmp_path / "a.txt", tokenizer=str(tmp_path / "missing.json"))
     with pytest.raises(UserError, match="no tokenizer file"):
         open_(tmp_path / "a.txt", tokenizer=str(tmp_path))  # a folder without tokenizer.json
+
+
+def test_documents_end_with_the_eos_every_command_resolves(tmp_path):
+    """Text data ends each document with models/tokenizer.py's eos (the rule generate, serve, export and chat data
+    use): the token a tokenizer_config.json names, added when the vocabulary lacks it, else a known name."""
+    docs = documents(4)
+    f = tmp_path / "c.txt"
+    f.write_text(docs[0])
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    TOK.save(str(folder / "tokenizer.json"))
+    assert np.asarray(open_(f, tokenizer=str(folder)).tokens)[-1] == EOS  # no config: the known name <|eos|>
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    named = load_text_tokenizer(folder)
+    assert (named.eos_token_id, named.vocab_size) == (2048, 2049)  # added after the vocabulary
+    ds = open_(f, tokenizer=str(folder), vocab_size=2049)
+    assert np.asarray(ds.tokens).tolist() == TOK.encode(docs[0], add_special_tokens=False).ids + [2048]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))  # named as none
+    with pytest.raises(UserError, match="no end-of-document token"):
+        open_(f, tokenizer=str(folder))
 
 
 def test_tokenizer_larger_than_the_model_vocab(tmp_path):

@@ -31,7 +31,7 @@ from tokenizers import AddedToken, Tokenizer
 from paraseek.errors import UserError
 
 # Tried in order when tokenizer_config.json does not name the token: ours, DeepSeek's, then the Llama/Qwen/GPT
-# family's (the eos list is the one train/data.py writes between documents).
+# family's. The eos found is also the token that training data writes between documents.
 BOS_NAMES = ("<|bos|>", "<｜begin▁of▁sentence｜>", "<|begin_of_text|>", "<s>")
 EOS_NAMES = ("<|eos|>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -56,6 +56,12 @@ class TextTokenizer:
         self.add_bos_token = bos_token_id is not None and tok.encode("").ids[:1] == [bos_token_id]
 
     @property
+    def file(self) -> Path:
+        """The tokenizer.json it was read from."""
+        given = Path(self.name)
+        return given / "tokenizer.json" if given.is_dir() else given
+
+    @property
     def vocab_size(self) -> int:
         """Including added tokens: the smallest embedding table that holds every id encode() can return."""
         return self.tok.get_vocab_size(with_added_tokens=True)
@@ -70,6 +76,10 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text, on all cores (the Rust side)."""
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -608,11 +608,14 @@ def _check_data_and_tokenizer(cfg: TrainConfig, vocab_size: int) -> None:
             raise UserError(f"--tokenizer {cfg.tokenizer} with --data synthetic: synthetic data is random token ids "
                             "and is not tokenized; give text --data, or leave out --tokenizer")
         return
-    from paraseek.train.data import list_files, load_tokenizer
+    from paraseek.models.tokenizer import load_text_tokenizer
+    from paraseek.train.data import list_files
 
     list_files(cfg.data)
-    tok, file = load_tokenizer(cfg.tokenizer)
-    n_vocab = tok.get_vocab_size(with_added_tokens=True)
+    try:
+        n_vocab = load_text_tokenizer(cfg.tokenizer).vocab_size
+    except UserError as e:
+        raise UserError(f"--tokenizer {e}") from None
     if n_vocab > vocab_size:  # ids past the embedding: the model cannot read this tokenizer's text
         raise UserError(f"{tokenizer_origin(cfg)} has {n_vocab:,} tokens but the model's vocab_size is "
                         f"{vocab_size:,}: it is not this model's tokenizer (give --tokenizer with the model's own)")

@@ -46,16 +46,13 @@ import torch
 
 from paraseek.errors import UserError, read_jsonl_rows
 from paraseek.models.loss import IGNORE_INDEX
-from paraseek.models.tokenizer import BUNDLED_TOKENIZER
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER, EOS_NAMES, load_text_tokenizer
 from paraseek.seeding import derive_seed
 from paraseek.train.chat import ASSISTANT, LAST, ChatEncoder, row_kind
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_CORPUS = ASSETS / "corpus"  # public-domain English text, see its SOURCE.md
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-# End-of-document token names, tried in order when no tokenizer_config.json names one: ours, DeepSeek's, then the
-# Llama/Qwen/GPT family's.
-EOS_NAMES = ("<|eos|>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 CACHE_VERSION = 1  # bump when the cached stream's meaning changes, so old caches are not reused
 PROGRESS_MIN_BYTES = 4 << 20  # below this tokenizing takes about a second: no progress bar
 
@@ -272,11 +269,11 @@ def open_dataset(data: str, *, seq_len: int, vocab_size: int, tokenizer: str | N
         return _open_chat(files, str(data), seq_len=seq_len, vocab_size=vocab_size, tokenizer=tokenizer, seed=seed,
                           pack=pack, doc_mask=doc_mask != "false", loss_on=loss_on, overlong=overlong,
                           chat_template=chat_template)
-    tok, tok_file = load_tokenizer(tokenizer or BUNDLED_TOKENIZER)
-    n_vocab = tok.get_vocab_size(with_added_tokens=True)
-    _check_vocab(n_vocab, tok_file, vocab_size)
-    eos = eos_id(tok, tok_file)
-    tokens = cached_tokens(files, tok, tok_file, eos)
+    tok = load_text_tokenizer(tokenizer or BUNDLED_TOKENIZER)
+    n_vocab = tok.vocab_size
+    _check_vocab(n_vocab, tok.file, vocab_size)
+    eos = document_end(tok)
+    tokens = cached_tokens(files, tok, eos)
     if not pack:
         starts = np.concatenate([[0], np.flatnonzero(np.asarray(tokens) == eos) + 1])
         return PackedDataset(seq_len=seq_len, vocab_size=vocab_size, seed=seed, tokens=tokens, starts=starts,
@@ -297,8 +294,6 @@ def _check_vocab(n_vocab: int, tok_file, vocab_size: int) -> None:
 
 def _open_chat(files: list[Path], source: str, *, seq_len: int, vocab_size: int, tokenizer: str | None, seed: int,
                pack: bool, doc_mask: bool, loss_on: str, overlong: str, chat_template: str | None) -> PackedDataset:
-    from paraseek.models.tokenizer import load_text_tokenizer
-
     tok = load_text_tokenizer(tokenizer or BUNDLED_TOKENIZER, chat_template or None)
     _check_vocab(tok.vocab_size, tok.name, vocab_size)
     tokens, roles, starts, meta = cached_chat(files, tok)
@@ -369,42 +364,13 @@ def _pyarrow(path: Path):
     return pq
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """(tokenizers.Tokenizer, the tokenizer.json it came from)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UserError("tokenizing a corpus needs the tokenizers library: pip install tokenizers") from None
-    file = Path(path).expanduser()
-    if file.is_dir():
-        file = file / "tokenizer.json"
-    if not file.is_file():
-        raise UserError(f"--tokenizer {path}: no tokenizer file at {file} (give an HF tokenizer.json or a folder "
-                        f"holding one)")
-    try:
-        return Tokenizer.from_file(str(file)), file
-    except Exception as e:  # the Rust side raises a plain Exception for any malformed file
-        raise UserError(f"--tokenizer {file}: not a valid HF tokenizer.json ({e})") from None
-
-
-def eos_id(tok, tok_file: Path) -> int:
-    """The id written between documents: tokenizer_config.json's eos_token when there is one, else a known name."""
-    names = list(EOS_NAMES)
-    config = tok_file.parent / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            eos = json.loads(config.read_text()).get("eos_token")
-        except (json.JSONDecodeError, AttributeError):
-            eos = None  # a broken config is not worth failing for: fall back to the known names
-        if isinstance(eos, dict):  # older configs store an AddedToken object
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            names.insert(0, eos)
-    for name in names:
-        if (i := tok.token_to_id(name)) is not None:
-            return i
-    raise UserError(f"--tokenizer {tok_file}: no end-of-document token (looked for {', '.join(names)}); "
-                    f"add one, or name it as eos_token in a tokenizer_config.json beside it")
+def document_end(tok) -> int:
+    """The id written between documents: the tokenizer's eos (models/tokenizer.py: the one rule for every command)."""
+    if tok.eos_token_id is None:
+        raise UserError(f"--tokenizer {tok.file}: no end-of-document token (no eos_token named, and none of "
+                        f"{', '.join(EOS_NAMES)}); add one, or name it as eos_token in a tokenizer_config.json beside "
+                        f"it")
+    return tok.eos_token_id
 
 
 def cache_dir() -> Path:
@@ -413,22 +379,24 @@ def cache_dir() -> Path:
     return Path(root).expanduser() / "tokens"
 
 
-def cache_path(files: list[Path], tok_file: Path, eos: int) -> Path:
+def cache_path(files: list[Path], tok, eos: int) -> Path:
     """The cache key covers everything the stream depends on: which files (path, size, mtime) and which tokenizer
-    (its bytes, not its path, so an edited tokenizer.json in the same place retokenizes)."""
+    (its bytes, not its path, so an edited tokenizer.json in the same place retokenizes; and the special tokens its
+    tokenizer_config.json names, which encode whole)."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    tok_hash = hashlib.sha256(tok_file.read_bytes()).hexdigest()
-    key = json.dumps({"v": CACHE_VERSION, "files": stats, "tokenizer": tok_hash, "eos": eos})
+    tok_hash = hashlib.sha256(tok.file.read_bytes()).hexdigest()
+    key = json.dumps({"v": CACHE_VERSION, "files": stats, "tokenizer": tok_hash, "specials": tok.specials, "eos": eos},
+                     sort_keys=True)
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.u32"
 
 
-def cached_tokens(files: list[Path], tok, tok_file: Path, eos: int) -> np.ndarray:
+def cached_tokens(files: list[Path], tok, eos: int) -> np.ndarray:
     """The corpus' token stream (uint32, memory-mapped), tokenizing it first when no cache holds it.
 
     Several ranks of one node start here together: an exclusive flock lets one tokenize while the others wait and
     then read its file (build_once). On file systems where flock does not lock across nodes each node tokenizes the
     same stream and the last rename wins harmlessly."""
-    path = cache_path(files, tok_file, eos)
+    path = cache_path(files, tok, eos)
     build_once(path, lambda tmp: tokenize_into(tmp, files, tok, eos))
     size = path.stat().st_size
     if not path.is_file():
@@ -484,7 +452,7 @@ def tokenize_into(out: Path, files: list[Path], tok, eos: int, batch_chars: int 
 
         def flush() -> None:
             # encode_batch runs on all cores (the Rust side); special tokens are not added, we place eos ourselves
-            ids = [e.ids + [eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
+            ids = [x + [eos] for x in tok.encode_batch(texts, add_special_tokens=False)]
             if ids:
                 f.write(np.concatenate([np.asarray(x, dtype="<u4") for x in ids]).tobytes())
             texts.clear()
@@ -503,10 +471,9 @@ def tokenize_into(out: Path, files: list[Path], tok, eos: int, batch_chars: int 
 def chat_cache_path(files: list[Path], tok) -> Path:
     """As cache_path, plus everything the rendering depends on: the templates, the named special tokens and the
     end-of-turn ids (train/chat.py extends assistant spans over them)."""
-    tok_file = Path(tok.name) / "tokenizer.json" if Path(tok.name).is_dir() else Path(tok.name)
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = json.dumps({"v": CACHE_VERSION, "kind": "chat", "files": stats,
-                      "tokenizer": hashlib.sha256(tok_file.read_bytes()).hexdigest(), "templates": tok.chat_templates,
+                      "tokenizer": hashlib.sha256(tok.file.read_bytes()).hexdigest(), "templates": tok.chat_templates,
                       "specials": tok.specials, "eos": tok.eos_token_id, "stops": tok.stop_token_ids}, sort_keys=True)
     return cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.chat"
 
