@@ -28,7 +28,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, first_line
 
 # Tried in order when tokenizer_config.json does not name the token: ours, DeepSeek's, then the Llama/Qwen/GPT
 # family's. The eos found is also the token that training data writes between documents.
@@ -224,7 +224,7 @@ def load_text_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLik
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a plain Exception for any malformed file
-        raise UserError(f"{file}: not a valid HF tokenizer.json ({_first_line(e)}); download it again or give "
+        raise UserError(f"{file}: not a valid HF tokenizer.json ({first_line(e)}); download it again or give "
                         f"another model folder") from None
     folder = file.parent
     config = _read_json(folder / "tokenizer_config.json")
@@ -298,7 +298,7 @@ def _read_json(file: Path) -> dict:
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{file}: not valid JSON ({_first_line(e)}); fix or delete the file") from None
+        raise UserError(f"{file}: not valid JSON ({first_line(e)}); fix or delete the file") from None
     if not isinstance(value, dict):
         raise UserError(f"{file}: expected a JSON object, found {type(value).__name__}; fix or delete the file")
     return value
@@ -308,7 +308,7 @@ def _read_text(file: Path, what: str = "") -> str:
     try:
         return file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{what + ' ' if what else ''}{file}: cannot read the chat template ({_first_line(e)})") \
+        raise UserError(f"{what + ' ' if what else ''}{file}: cannot read the chat template ({first_line(e)})") \
             from None
 
 
@@ -321,10 +321,6 @@ def _token_content(value) -> str | None:
 
 def _token_names(config: dict) -> dict[str, str]:
     return {k: s for k, v in config.items() if k.endswith("_token") and (s := _token_content(v)) is not None}
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _clean_up_spaces(text: str) -> str:
@@ -414,9 +410,9 @@ def _render(template: str, variables: dict, name: str, track: bool = False):
             record["blocks"].append(block)
         return "".join(record["blocks"]), record["spans"]
     except jinja2.TemplateSyntaxError as e:
-        raise UserError(f"the chat template of {name} does not parse: {_first_line(e)} (line {e.lineno})") from None
+        raise UserError(f"the chat template of {name} does not parse: {first_line(e)} (line {e.lineno})") from None
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise UserError(f"the chat template of {name} failed on these messages: {_first_line(e)}") from None
+        raise UserError(f"the chat template of {name} failed on these messages: {first_line(e)}") from None
 
 
 def _strip_markers(marked: str) -> tuple[str, list[tuple[int, int]]]:

@@ -44,7 +44,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from paraseek.errors import UserError, read_jsonl_rows
+from paraseek.errors import UserError, first_line, read_jsonl_rows
 from paraseek.models.loss import IGNORE_INDEX
 from paraseek.models.tokenizer import BUNDLED_TOKENIZER, EOS_NAMES, load_text_tokenizer
 from paraseek.seeding import derive_seed
@@ -494,7 +494,7 @@ def cached_chat(files: list[Path], tok) -> tuple[np.ndarray, np.ndarray, np.ndar
         docs = np.fromfile(path / "docs.i64", dtype="<i8") if sizes["docs.i64"] % 8 == 0 else None
     except (OSError, ValueError) as e:
         _damaged(path, f"{Path(e.filename).name}: {e.strerror}" if isinstance(e, OSError) and e.filename else
-                 _first_line(e))
+                 first_line(e))
     n = sizes["tokens.u32"] // 4
     if (sizes["tokens.u32"] % 4 or sizes["roles.u8"] != n or docs is None or not isinstance(meta, dict)
             or meta.get("rows") != len(docs) - 1 or docs[0] != 0 or docs[-1] != n):
@@ -611,11 +611,7 @@ def _parquet_file(path: Path):
     try:
         return pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors
-        raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{path}: not a readable parquet file ({first_line(e)})") from None
 
 
 def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[dict, int]]:
@@ -626,7 +622,7 @@ def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[dict, int]]:
         try:
             batch = next(batches, None)
         except (OSError, ValueError) as e:  # a damaged row group
-            raise UserError(f"{path}: a damaged parquet row group ({_first_line(e)})") from None
+            raise UserError(f"{path}: a damaged parquet row group ({first_line(e)})") from None
         if batch is None:
             return
         share = path.stat().st_size * batch.num_rows // rows
