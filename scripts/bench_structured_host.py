@@ -25,8 +25,7 @@ from paraseek.infer.config import EngineConfig
 from paraseek.infer.engine import Engine
 from paraseek.infer.sampling import SamplingParams
 from paraseek.models import ModelArgs, build_model, preset_config
-from paraseek.models.tokenizer import load_text_tokenizer
-from paraseek.train.data import BUNDLED_TOKENIZER
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER, load_text_tokenizer
 
 VOCAB = 128256
 TIMED = {"grammar": [], "apply_masks": []}

@@ -568,7 +568,7 @@ def group_spec(out: Path, anchors: str) -> list[dict]:
     import tempfile
 
     from paraseek.models.args import preset_config
-    from paraseek.train.data import BUNDLED_CORPUS
+    from paraseek.train.corpus import BUNDLED_CORPUS
 
     work = Path(tempfile.mkdtemp(prefix="spec-"))  # not under DIR: the device returns a few files only
     cfg = dict(preset_config("deepseek-v3"), num_hidden_layers=8, first_k_dense_replace=1, hidden_size=1024,

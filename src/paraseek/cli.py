@@ -77,7 +77,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     CPU: tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes as HSDP 2 x 2. CUDA: a real preset on all GPUs."""
     import torch
 
-    from paraseek.train.data import BUNDLED_CORPUS
+    from paraseek.train.corpus import BUNDLED_CORPUS
 
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()

@@ -25,7 +25,7 @@ from paraseek.models.args import architecture_difference
 from paraseek.models.hf import load_state_into, save_hf_state
 from paraseek.train import launch
 from paraseek.train.config import _check_same_model
-from paraseek.train.data import BUNDLED_CORPUS
+from paraseek.train.corpus import BUNDLED_CORPUS
 from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 from paraseek.train.export import model_tokenizer, write_tokenizer
 

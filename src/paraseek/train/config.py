@@ -46,7 +46,7 @@ class TrainConfig:
     data: str = "synthetic"  # synthetic | a .txt/.jsonl/.parquet file or a folder of them
     tokenizer: str = ""  # an HF tokenizer.json or a folder; "" = --init-from's if it has one, else the bundled one
     chat_template: str = ""  # a Jinja file for chat data, replacing the tokenizer folder's template
-    pack: bool = True  # several documents per window; false: one per row, padded (train/data.py)
+    pack: bool = True  # several documents per window; false: one per row, padded (train/dataset.py)
     doc_mask: str = "auto"  # auto | true | false: attention inside each document; auto = on for chat data only
     loss_on: str = "assistant"  # assistant | all | last-turn (chat data; text trains on every token)
     overlong: str = "truncate"  # truncate | drop: a conversation longer than seq_len + 1 tokens
@@ -419,7 +419,7 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
 
         has_own = cfg.init_from and (Path(cfg.init_from) / "tokenizer.json").is_file()
         cfg.tokenizer = cfg.init_from if has_own else str(BUNDLED_TOKENIZER)
-    if cfg.doc_mask == "auto":  # on for packed chat data (train/data.py says why), what the planner then prices
+    if cfg.doc_mask == "auto":  # on for packed chat data (train/dataset.py says why), what the planner then prices
         cfg.doc_mask = "true" if cfg.pack and _is_chat(cfg.data) else "false"
     return cfg
 
@@ -427,7 +427,7 @@ def resolve_defaults(cfg: TrainConfig, cuda_available: bool, gpu_count: int) -> 
 def _is_chat(data: str) -> bool:
     if data == "synthetic" or not Path(data).exists():
         return False  # validate says what is wrong with a missing path
-    from paraseek.train.data import data_kind, list_files
+    from paraseek.train.corpus import data_kind, list_files
 
     return data_kind(list_files(data)) == "chat"
 
@@ -609,7 +609,7 @@ def _check_data_and_tokenizer(cfg: TrainConfig, vocab_size: int) -> None:
                             "and is not tokenized; give text --data, or leave out --tokenizer")
         return
     from paraseek.models.tokenizer import load_text_tokenizer
-    from paraseek.train.data import list_files
+    from paraseek.train.corpus import list_files
 
     list_files(cfg.data)
     try:
@@ -628,7 +628,7 @@ def _check_outputs(cfg: TrainConfig) -> None:
         check_writable("--metrics-jsonl", cfg.metrics_jsonl, folder=False)
     folders = {"--checkpoint-dir": cfg.checkpoint_dir, "--tensorboard": cfg.tensorboard, "--run-dir": cfg.run_dir}
     if cfg.data != "synthetic":
-        from paraseek.train.data import cache_dir
+        from paraseek.train.token_cache import cache_dir
 
         folders["the token cache ($PARASEEK_CACHE)"] = str(cache_dir())
     for what, path in folders.items():

@@ -228,7 +228,7 @@ def _check_data(cfg: TrainConfig) -> None:
     """Open the data in the parent: a mistake costs one line and no processes, and a corpus is tokenized once here
     (with a progress bar) into the cache the workers then read. (validate has checked the model and the plan.)"""
     from paraseek.models import resolve_model
-    from paraseek.train.data import open_training_data
+    from paraseek.train.dataset import open_training_data
 
     if cfg.data != "synthetic" or cfg.eval_data or cfg.eval_split:  # (an --eval-split of synthetic data is refused)
         args, _, _ = resolve_model(cfg.init_from or cfg.model)
