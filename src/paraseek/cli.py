@@ -122,7 +122,7 @@ class OneLineParser(argparse.ArgumentParser):
             self.error(f"{flag} before the command: flags follow it, as in `{self.prog} {command} {flag} ...`")
         ns, extra = super().parse_known_args(args, namespace)
         if extra and self._subparsers is None:  # a subcommand's own: its flags are the ones to suggest
-            from paraseek.train.config import did_you_mean
+            from paraseek.train.flags import did_you_mean
 
             flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
             word = extra[0]

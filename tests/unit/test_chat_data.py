@@ -350,7 +350,8 @@ def test_chat_cache_is_reused(folders, tmp_path, monkeypatch):
 
 
 def test_train_flags_resolve_doc_mask_and_refuse_contradictions(folders, tmp_path):
-    from paraseek.train.config import TrainConfig, resolve_defaults, validate
+    from paraseek.train.config import TrainConfig, resolve_defaults
+    from paraseek.train.validate import validate
 
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
     # The bundled tokenizer: it fits tiny-moe's 2,048-token vocabulary (validate refuses the templates' 2,064).

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from paraseek.errors import UserError
 from paraseek.models import ModelArgs, build_model, load_pretrained, preset_config, save_pretrained
 from paraseek.models.loss import IGNORE_INDEX, mtp_labels
-from paraseek.train.config import TrainConfig, validate
+from paraseek.train.config import TrainConfig
 from paraseek.train.mtp import describe, loss_weight
+from paraseek.train.validate import validate
 
 from mtp_reference import v3_losses
 

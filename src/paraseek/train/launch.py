@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 from paraseek.errors import UserError
-from paraseek.train.config import (TrainConfig, check_profile_window, config_toml, from_namespace, resolve_defaults,
-                                   validate)
+from paraseek.train.config import TrainConfig, config_toml, resolve_defaults
+from paraseek.train.flags import from_namespace
+from paraseek.train.validate import check_profile_window, validate
 from paraseek.train.stop import ARGV_ENV
 from paraseek.train.worker import CONFIG_ENV
 
@@ -366,7 +367,7 @@ def _failed(cfg: TrainConfig, e, signum: int, started: float) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from paraseek.train.config import add_arguments
+    from paraseek.train.flags import add_arguments
 
     p = subparsers.add_parser(
         "train", help="train a model on torch.distributed (FSDP2 / HSDP / DDP, TP, PP, EP), one node or many",
