@@ -172,7 +172,8 @@ def group_cases(out: Path, anchors: str) -> list[dict]:
 _FP8_LOGITS = r"""
 import json, sys, numpy as np, torch
 from paraseek.cli import build_parser
-from paraseek.infer.cli import Placement, build_engine
+from paraseek.infer.build import build_engine
+from paraseek.infer.ranks import Placement
 from paraseek.infer.load import resolve_source
 from paraseek.infer.runner import HostBatch
 model, sides = sys.argv[1], json.loads(sys.argv[2])
