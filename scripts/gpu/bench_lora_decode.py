@@ -28,7 +28,8 @@ import torch
 
 from paraseek.cli import build_parser
 from paraseek.infer import lora
-from paraseek.infer.cli import build_engine, place
+from paraseek.infer.build import build_engine
+from paraseek.infer.ranks import place
 from paraseek.infer.load import resolve_source
 from paraseek.infer.lora import Adapter
 from paraseek.infer.sampling import SamplingParams

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from paraseek.cli import build_parser
-from paraseek.infer.cli import build_engine, place
+from paraseek.infer.build import build_engine
+from paraseek.infer.ranks import place
 from paraseek.infer.load import resolve_source
 from paraseek.infer.sampling import SamplingParams
 

@@ -88,7 +88,9 @@ def predict(argv: list[str]) -> dict | None:
     if TINY:
         return None
     from paraseek.cli import build_parser
-    from paraseek.train.config import from_namespace, resolve_defaults, validate
+    from paraseek.train.config import resolve_defaults
+    from paraseek.train.flags import from_namespace
+    from paraseek.train.validate import validate
     from paraseek.train.launch import _predict
 
     ns = build_parser().parse_args(["train", *argv])

@@ -134,7 +134,8 @@ def group_v3deep(out: Path) -> list[dict]:
 _FP8_LOGITS = r"""
 import json, sys, numpy as np, torch
 from paraseek.cli import build_parser
-from paraseek.infer.cli import Placement, build_engine
+from paraseek.infer.build import build_engine
+from paraseek.infer.ranks import Placement
 from paraseek.infer.load import resolve_source
 from paraseek.infer.runner import HostBatch
 model, sides = sys.argv[1], json.loads(sys.argv[2])
@@ -471,7 +472,7 @@ def group_spec(out: Path) -> list[dict]:
     import tempfile
 
     from paraseek.models.args import preset_config
-    from paraseek.train.data import BUNDLED_CORPUS
+    from paraseek.train.corpus import BUNDLED_CORPUS
 
     work = Path(tempfile.mkdtemp(prefix="spec-"))  # not under DIR: model folders stay out of the results
     cfg = dict(preset_config("deepseek-v3"), num_hidden_layers=8, first_k_dense_replace=1, hidden_size=1024,

@@ -196,7 +196,9 @@ def predict(cmd: str, models: Path) -> dict:
     from paraseek.cli import build_parser
     from paraseek.models import resolve_model
     from paraseek.planner import evaluate, make_cluster
-    from paraseek.train.config import from_namespace, resolve_defaults, validate
+    from paraseek.train.config import resolve_defaults
+    from paraseek.train.flags import from_namespace
+    from paraseek.train.validate import validate
 
     argv = shlex.split(cmd.replace("{models}", str(models)))
     ns = build_parser().parse_args(argv[1:])

@@ -140,10 +140,11 @@ def m(name: str, argv: str, phrase: str, files: dict | None = None, **kw) -> Mis
 # ---- damage done after the files are written (setup hooks: the entry folder, the token cache's root) -------------
 def damaged_text_cache(work: Path, cache: Path) -> None:
     """The token cache of work/book.txt with the bundled tokenizer, cut off inside a token id."""
-    from paraseek.train.data import cache_path, eos_id, load_tokenizer
+    from paraseek.models.tokenizer import load_text_tokenizer
+    from paraseek.train.token_cache import cache_path, document_end
 
-    tok, tok_file = load_tokenizer(TOKENIZER)
-    name = cache_path([work / "book.txt"], tok_file, eos_id(tok, tok_file)).name
+    tok = load_text_tokenizer(TOKENIZER)
+    name = cache_path([work / "book.txt"], tok, document_end(tok)).name
     (cache / "tokens").mkdir(parents=True, exist_ok=True)
     (cache / "tokens" / name).write_bytes(b"\1\0\0\0\2\0")
 
@@ -151,7 +152,7 @@ def damaged_text_cache(work: Path, cache: Path) -> None:
 def damaged_chat_cache(work: Path, cache: Path) -> None:
     """The token cache of work/chats.jsonl rendered with work/hf's template: a folder holding the token ids only."""
     from paraseek.models.tokenizer import load_text_tokenizer
-    from paraseek.train.data import chat_cache_path
+    from paraseek.train.token_cache import chat_cache_path
 
     name = chat_cache_path([work / "chats.jsonl"], load_text_tokenizer(work / "hf")).name
     (cache / "tokens" / name).mkdir(parents=True, exist_ok=True)

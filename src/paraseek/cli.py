@@ -77,7 +77,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     CPU: tiny-moe (DeepSeek-V3-shaped) over 4 gloo processes as HSDP 2 x 2. CUDA: a real preset on all GPUs."""
     import torch
 
-    from paraseek.train.data import BUNDLED_CORPUS
+    from paraseek.train.corpus import BUNDLED_CORPUS
 
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
@@ -122,7 +122,7 @@ class OneLineParser(argparse.ArgumentParser):
             self.error(f"{flag} before the command: flags follow it, as in `{self.prog} {command} {flag} ...`")
         ns, extra = super().parse_known_args(args, namespace)
         if extra and self._subparsers is None:  # a subcommand's own: its flags are the ones to suggest
-            from paraseek.train.config import did_you_mean
+            from paraseek.train.flags import did_you_mean
 
             flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
             word = extra[0]

@@ -16,6 +16,11 @@ class UserError(Exception):
     to fix it; the CLI prints it as one line and exits with code 2."""
 
 
+def first_line(e: Exception) -> str:
+    """An exception's message cut to its first line (a library's multi-line error inside a one-line UserError)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def read_jsonl_objects(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-empty line of a user's .jsonl file; a missing file, a line that is not
     JSON or not an object is one UserError naming the file and line. `what` says what an object should hold."""

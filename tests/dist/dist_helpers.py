@@ -111,7 +111,7 @@ def plain_torch_losses(folder, steps: int, lr_of=lambda step: 0.01) -> dict[int,
     import torch.nn.functional as F
 
     from paraseek.models import load_pretrained
-    from paraseek.train.data import open_dataset
+    from paraseek.train.dataset import open_dataset
 
     global_batch, seq = 8, 32
     model = load_pretrained(folder, dtype=torch.float32)

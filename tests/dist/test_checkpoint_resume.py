@@ -79,7 +79,7 @@ def test_export_hf_loads_in_transformers_with_our_logits(uninterrupted, tmp_path
 def test_powersgd_converges_next_to_plain_ddp(tmp_path):
     """PowerSGD is lossy by design (rank-2 gradient approximation with error feedback after 10 exact steps); over
     30 steps its loss must fall like plain DDP's: the final losses within 5% of each other."""
-    from paraseek.train.data import BUNDLED_CORPUS
+    from paraseek.train.corpus import BUNDLED_CORPUS
 
     init = seed_checkpoint("tiny-dense", tmp_path / "init")
     ddp = [*EXACT, "--steps", "30", "--init-from", str(init), "--nproc", "2", "--dp-replicate", "2", "--dp-shard", "1",

@@ -8,7 +8,7 @@ import torch
 
 from dist_helpers import run_train
 from paraseek.cli import main
-from paraseek.train.data import BUNDLED_CORPUS
+from paraseek.train.corpus import BUNDLED_CORPUS
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist

@@ -44,7 +44,8 @@ def _spec(init: Path):
 
 def test_step_one_is_the_base_models_loss(reference):
     from paraseek.models import load_pretrained
-    from paraseek.train.data import DataLoader, open_dataset
+    from paraseek.train.dataset import open_dataset
+    from paraseek.train.loader import DataLoader
 
     _, init, ref = reference
     base = load_pretrained(init, dtype=torch.float32)

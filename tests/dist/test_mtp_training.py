@@ -73,7 +73,7 @@ def test_one_process_equals_the_v3_equations_and_a_plain_training_loop(reference
 def _plain_torch(init, steps: int) -> dict[int, dict]:
     """The engine's settings (AdamW 0.9/0.95, eps 1e-8, weight decay 0.1, clip 1.0, lr 0.01) on the objective
     L_main + lambda / D * sum_k L^k_MTP of mtp_reference, the whole batch at once."""
-    from paraseek.train.data import open_dataset
+    from paraseek.train.dataset import open_dataset
 
     model = load_pretrained(init, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

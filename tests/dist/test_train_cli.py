@@ -44,7 +44,7 @@ def refused(tmp_path_factory) -> dict[str, tuple]:
         folder = tmp_path_factory.mktemp("bad-input")
         if case == "tokenizer vocab":
             argv = ["--model", _small_vocab_model(folder / "m"), "--data",
-                    str(__import__("paraseek.train.data", fromlist=["x"]).BUNDLED_CORPUS)]
+                    str(__import__("paraseek.train.corpus", fromlist=["x"]).BUNDLED_CORPUS)]
         else:
             argv = CASES[case][0]
         before[case] = set(folder.rglob("*"))

@@ -1,4 +1,4 @@
-"""Chat data (train/chat.py, train/data.py): rendering with real chat templates against transformers, the trained
+"""Chat data (train/chat.py, train/dataset.py): rendering with real chat templates against transformers, the trained
 tokens (roles, --loss-on) against transformers' assistant masks and against spans found by hand, packing, padding,
 truncation, the evaluation split and the bad-input lines.
 
@@ -18,9 +18,10 @@ from paraseek.models import build_model
 from paraseek.models.args import ModelArgs, preset_config
 from paraseek.models.loss import IGNORE_INDEX
 from paraseek.models.tokenizer import load_text_tokenizer
-from paraseek.train import data
+from paraseek.train import token_cache
 from paraseek.train.chat import ASSISTANT, LAST
-from paraseek.train.data import DataLoader, EvalLoader, open_dataset, split_eval
+from paraseek.train.dataset import open_dataset, split_eval
+from paraseek.train.loader import DataLoader, EvalLoader
 
 from test_tokenizer import (CHAT_DONE, DEEPSEEK_TOOL_CHAT, EOS, LLAMA_TOOL_CHAT, MODELS, SYSTEM, WEATHER_TOOL,
                             make_folder)
@@ -343,13 +344,14 @@ def test_bad_chat_input(folders, tmp_path):
 def test_chat_cache_is_reused(folders, tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
     first = open_chat(path, folders["deepseek_v3"])
-    monkeypatch.setattr(data, "render_into", lambda *a: (_ for _ in ()).throw(AssertionError("rendered again")))
+    monkeypatch.setattr(token_cache, "render_into", lambda *a: (_ for _ in ()).throw(AssertionError("rendered again")))
     again = open_chat(path, folders["deepseek_v3"], seq_len=63, loss_on="all")  # other layouts, same cache
     assert np.array_equal(first.tokens, again.tokens)
 
 
 def test_train_flags_resolve_doc_mask_and_refuse_contradictions(folders, tmp_path):
-    from paraseek.train.config import TrainConfig, resolve_defaults, validate
+    from paraseek.train.config import TrainConfig, resolve_defaults
+    from paraseek.train.validate import validate
 
     chat = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CHATS])
     # The bundled tokenizer: it fits tiny-moe's 2,048-token vocabulary (validate refuses the templates' 2,064).

@@ -17,9 +17,11 @@ import torch
 from tokenizers import Tokenizer
 
 from paraseek.errors import UserError
-from paraseek.train import data
-from paraseek.train.data import BUNDLED_CORPUS, DataLoader, open_dataset
-from paraseek.models.tokenizer import BUNDLED_TOKENIZER
+from paraseek.models.tokenizer import BUNDLED_TOKENIZER, load_text_tokenizer
+from paraseek.train import token_cache
+from paraseek.train.corpus import BUNDLED_CORPUS
+from paraseek.train.dataset import open_dataset
+from paraseek.train.loader import DataLoader
 
 WORDS = "the devil a dictionary of wit and wisdom in which every word is defined by its worst use".split()
 TOK = Tokenizer.from_file(str(BUNDLED_TOKENIZER))
@@ -200,7 +202,7 @@ def test_cache_is_reused_and_invalidated_by_a_changed_file(tmp_path, cache, monk
     def boom(*a, **k):
         raise AssertionError("retokenized")
 
-    monkeypatch.setattr(data, "tokenize_into", boom)
+    monkeypatch.setattr(token_cache, "tokenize_into", boom)
     assert np.array_equal(open_(folder, seq_len=4).tokens, first)  # another seq_len reuses the same stream
     (folder / "doc000.txt").write_text("Edited. " * 20)
     with pytest.raises(AssertionError, match="retokenized"):
@@ -210,14 +212,14 @@ def test_cache_is_reused_and_invalidated_by_a_changed_file(tmp_path, cache, monk
 def test_concurrent_opens_tokenize_once(tmp_path, monkeypatch):
     folder = txt_folder(tmp_path / "c", documents(20))
     calls = []
-    real = data.tokenize_into
+    real = token_cache.tokenize_into
 
     def slow(*a, **k):  # long enough that, without the lock, the other threads would also find no cache
         calls.append(1)
         time.sleep(0.2)
         real(*a, **k)
 
-    monkeypatch.setattr(data, "tokenize_into", slow)
+    monkeypatch.setattr(token_cache, "tokenize_into", slow)
     results = [None] * 4
 
     def run(i):
@@ -268,6 +270,26 @@ def test_tokenizer_missing(tmp_path):
         open_(tmp_path / "a.txt", tokenizer=str(tmp_path / "missing.json"))
     with pytest.raises(UserError, match="no tokenizer file"):
         open_(tmp_path / "a.txt", tokenizer=str(tmp_path))  # a folder without tokenizer.json
+
+
+def test_documents_end_with_the_eos_every_command_resolves(tmp_path):
+    """Text data ends each document with models/tokenizer.py's eos (the rule generate, serve, export and chat data
+    use): the token a tokenizer_config.json names, added when the vocabulary lacks it, else a known name."""
+    docs = documents(4)
+    f = tmp_path / "c.txt"
+    f.write_text(docs[0])
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    TOK.save(str(folder / "tokenizer.json"))
+    assert np.asarray(open_(f, tokenizer=str(folder)).tokens)[-1] == EOS  # no config: the known name <|eos|>
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    named = load_text_tokenizer(folder)
+    assert (named.eos_token_id, named.vocab_size) == (2048, 2049)  # added after the vocabulary
+    ds = open_(f, tokenizer=str(folder), vocab_size=2049)
+    assert np.asarray(ds.tokens).tolist() == TOK.encode(docs[0], add_special_tokens=False).ids + [2048]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))  # named as none
+    with pytest.raises(UserError, match="no end-of-document token"):
+        open_(f, tokenizer=str(folder))
 
 
 def test_tokenizer_larger_than_the_model_vocab(tmp_path):

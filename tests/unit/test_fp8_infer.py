@@ -335,7 +335,7 @@ def test_quantization_configs_not_read_are_refused(folders, tmp_path, quant, mat
 def test_other_block_sizes_load_dequantized_and_refuse_fp8(folders, tmp_path):
     """A checkpoint of 64 x 64 blocks: served dequantized (as load_pretrained reads it); --quantization fp8 is one
     line (the FP8 GEMMs take 128 x 128)."""
-    from paraseek.infer.cli import weight_format
+    from paraseek.infer.build import weight_format
     from paraseek.infer.load import resolve_source
 
     source = load_file(folders["source"] / "model.safetensors")
@@ -364,14 +364,14 @@ def test_other_block_sizes_load_dequantized_and_refuse_fp8(folders, tmp_path):
 
 
 def test_fp8_on_a_gpu_without_fp8_is_refused(monkeypatch):
-    from paraseek.infer import cli, fp8
+    from paraseek.infer import fp8, ranks
 
     monkeypatch.setattr(fp8, "has_fp8", lambda device: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     ns = argparse.Namespace(quantization="fp8", dp=1, tp=1)
     with pytest.raises(UserError, match=r"A100-SXM4-80GB \(sm80\) has no FP8 tensor cores"):
-        cli.check_parallel(ns, ARGS, "cuda")
+        ranks.check_parallel(ns, ARGS, "cuda")
 
 
 def _paraseek(*argv: str) -> subprocess.CompletedProcess:

@@ -106,6 +106,14 @@ def test_inference_and_parallelism_import_neither_training_nor_the_planner():
     assert layer_violations(import_graph()) == []
 
 
+def test_training_and_inference_start_their_ranks_through_the_one_launcher():
+    """paraseek/launcher.py imports nothing of the package, so that inference can use it without training."""
+    graph = import_graph()
+    assert graph["paraseek.launcher"] == set()
+    for user in ("paraseek.train.launch", "paraseek.infer.ranks", "paraseek.serve.cli"):
+        assert "paraseek.launcher" in graph[user], user
+
+
 def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
     (tmp_path / "paraseek" / "parallel").mkdir(parents=True)
     (tmp_path / "paraseek" / "planner").mkdir()
@@ -119,7 +127,7 @@ def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
 
 def test_the_engine_commands_get_the_planners_kv_prediction_from_the_top_level_cli():
     """generate, serve and bench-infer print the planner's KV-pool prediction beside the measured pool; the function
-    comes from paraseek/cli.py, which may import the planner (infer/cli.py: build_engine)."""
+    comes from paraseek/cli.py, which may import the planner (infer/build.py: build_engine)."""
     from paraseek.cli import _planned_kv_tokens, build_parser
 
     parser = build_parser()

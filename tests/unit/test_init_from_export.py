@@ -24,8 +24,8 @@ from paraseek.models import build_model, preset_config, preset_names, resolve_mo
 from paraseek.models.args import architecture_difference
 from paraseek.models.hf import load_state_into, save_hf_state
 from paraseek.train import launch
-from paraseek.train.config import _check_same_model
-from paraseek.train.data import BUNDLED_CORPUS
+from paraseek.train.flags import _check_same_model
+from paraseek.train.corpus import BUNDLED_CORPUS
 from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 from paraseek.train.export import model_tokenizer, write_tokenizer
 

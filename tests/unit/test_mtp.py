@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from paraseek.errors import UserError
 from paraseek.models import ModelArgs, build_model, load_pretrained, preset_config, save_pretrained
 from paraseek.models.loss import IGNORE_INDEX, mtp_labels
-from paraseek.train.config import TrainConfig, validate
+from paraseek.train.config import TrainConfig
 from paraseek.train.mtp import describe, loss_weight
+from paraseek.train.validate import validate
 
 from mtp_reference import v3_losses
 
@@ -82,7 +83,7 @@ def test_packed_documents_give_the_losses_of_each_document_alone():
     a, b = torch.randint(0, 2048, (1, 10), generator=gen), torch.randint(0, 2048, (1, 8), generator=gen)
     window = torch.cat([a, b], dim=1)[:, :17]  # W = 17: all of a, b's first 7 tokens
     inputs, labels = window[:, :-1], window[:, 1:].clone()
-    labels[0, 9] = IGNORE_INDEX  # b's first token: nothing in its document predicts it (train/data.py)
+    labels[0, 9] = IGNORE_INDEX  # b's first token: nothing in its document predicts it (train/dataset.py)
     positions = torch.tensor([list(range(10)) + list(range(6))])
     with torch.no_grad():
         _, packed = model(inputs, positions_BT=positions, mtp_labels_BT=labels)

@@ -25,7 +25,9 @@ def train_accepts(command: str) -> None:
     translation and validate() (the rule set of parallel/dims.py, the world size, the batch, the pipeline's
     micro-batches), on a machine with the GPUs the command asks for."""
     from paraseek.cli import build_parser
-    from paraseek.train.config import from_namespace, resolve_defaults, validate
+    from paraseek.train.config import resolve_defaults
+    from paraseek.train.flags import from_namespace
+    from paraseek.train.validate import validate
 
     argv = shlex.split(command.replace("RANK", "0"))
     assert argv[:2] == ["paraseek", "train"], command

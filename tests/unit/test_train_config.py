@@ -5,7 +5,9 @@ import argparse
 import pytest
 
 from paraseek.errors import UserError
-from paraseek.train.config import TrainConfig, add_arguments, did_you_mean, from_namespace, resolve_defaults, validate
+from paraseek.train.config import TrainConfig, resolve_defaults
+from paraseek.train.flags import add_arguments, did_you_mean, from_namespace
+from paraseek.train.validate import validate
 from paraseek.train.optim import lr_at
 
 

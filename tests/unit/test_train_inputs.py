@@ -22,7 +22,7 @@ from paraseek.cli import main
 from paraseek.models import preset_config
 from paraseek.train import launch
 from paraseek.train.config import TrainConfig, resolve_defaults, tokenizer_origin
-from paraseek.train.data import open_dataset
+from paraseek.train.dataset import open_dataset
 from paraseek.models.tokenizer import BUNDLED_TOKENIZER
 from paraseek.train.loop import data_line
 from paraseek.train.multinode import ONE_HOST_ENV, check_endpoint, route_interface

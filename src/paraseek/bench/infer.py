@@ -319,8 +319,9 @@ def run_workloads(engine, ns: argparse.Namespace, ceilings: dict[str, float]) ->
 def cmd_bench_infer(ns: argparse.Namespace) -> int:
     import torch
 
-    from paraseek.infer.cli import (build_engine, check_parallel, check_speculative, device_for, engine_config,
-                                    place, resolve_offline_defaults)
+    from paraseek.infer.build import build_engine, check_speculative
+    from paraseek.infer.flags import engine_config, resolve_offline_defaults
+    from paraseek.infer.ranks import check_parallel, device_for, place
     from paraseek.infer.load import resolve_source
 
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
@@ -428,7 +429,7 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def register(subparsers) -> None:
-    from paraseek.infer.cli import add_engine_arguments
+    from paraseek.infer.flags import add_engine_arguments
 
     p = subparsers.add_parser(
         "bench-infer", help="inference throughput, latency and a concurrency sweep, each beside its roofline",

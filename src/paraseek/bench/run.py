@@ -19,7 +19,7 @@ from paraseek.errors import UserError, check_plot
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from paraseek.train.config import add_arguments
+    from paraseek.train.flags import add_arguments
 
     p = subparsers.add_parser(
         "bench", help="measure tokens/s/GPU, MFU, memory and weak scaling of a plan (synthetic data)",
@@ -124,7 +124,7 @@ _NOT_USED = ("data", "metrics_jsonl", "run_dir", "checkpoint_dir", "export_hf", 
 
 
 def run_bench(ns: argparse.Namespace) -> int:
-    from paraseek.train.config import from_namespace
+    from paraseek.train.flags import from_namespace
 
     if ns.calibrate:
         return run_calibrate(ns)

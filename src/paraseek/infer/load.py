@@ -61,3 +61,13 @@ def load_model(src: ModelSource, *, dtype, device, seed: int = 0):
         # Hub-like scale (0.02); the bench only needs the shapes and the work, not meaningful text.
         return build_model(src.args, device, dtype).eval()
     return load_checkpoint_model(src, dtype, device)
+
+
+def load_tokenizer(src, chat_template: str | None = None):
+    """MODEL's tokenizer (None when it has none), through the loader every command uses (models/tokenizer.py);
+    `chat_template`: a Jinja file replacing the one the source names."""
+    if src.tokenizer is None:
+        return None
+    from paraseek.models.tokenizer import load_text_tokenizer
+
+    return load_text_tokenizer(src.tokenizer, chat_template or src.chat_template)

@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, first_line
 
 TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -270,5 +270,4 @@ def json_safe(schema):
 
 
 def _first_line(e: Exception) -> str:
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)[:300]  # xgrammar's "[time] file.cc:line: " prefix
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first_line(e))[:300]  # xgrammar's "[time] file.cc:line: " prefix

@@ -88,7 +88,7 @@ def apply_lora(model: Transformer, spec: LoRASpec, base_dtype: torch.dtype | Non
     parallelism, before activation checkpointing, compile and FSDP2), then add the adapters of `spec` to its main
     layers. `base_dtype`: the frozen weights are stored in it (the compute dtype: a weight that is never updated needs
     no fp32 master copy); the adapters are fp32 master weights as every trained parameter. Returns the adapted module
-    names. Tensor parallelism is refused before a run starts (train/config.py): its plans shard whole modules."""
+    names. Tensor parallelism is refused before a run starts (train/validate.py): its plans shard whole modules."""
     for m in model.modules():
         for pname, p in list(m.named_parameters(recurse=False)):
             frozen = p.detach() if base_dtype is None else p.detach().to(base_dtype)

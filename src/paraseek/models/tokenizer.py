@@ -28,10 +28,10 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, first_line
 
 # Tried in order when tokenizer_config.json does not name the token: ours, DeepSeek's, then the Llama/Qwen/GPT
-# family's (the eos list is the one train/data.py writes between documents).
+# family's. The eos found is also the token that training data writes between documents.
 BOS_NAMES = ("<|bos|>", "<｜begin▁of▁sentence｜>", "<|begin_of_text|>", "<s>")
 EOS_NAMES = ("<|eos|>", "<｜end▁of▁sentence｜>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -56,6 +56,12 @@ class TextTokenizer:
         self.add_bos_token = bos_token_id is not None and tok.encode("").ids[:1] == [bos_token_id]
 
     @property
+    def file(self) -> Path:
+        """The tokenizer.json it was read from."""
+        given = Path(self.name)
+        return given / "tokenizer.json" if given.is_dir() else given
+
+    @property
     def vocab_size(self) -> int:
         """Including added tokens: the smallest embedding table that holds every id encode() can return."""
         return self.tok.get_vocab_size(with_added_tokens=True)
@@ -70,6 +76,10 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text, on all cores (the Rust side)."""
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -214,7 +224,7 @@ def load_text_tokenizer(path: str | os.PathLike, chat_template: str | os.PathLik
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a plain Exception for any malformed file
-        raise UserError(f"{file}: not a valid HF tokenizer.json ({_first_line(e)}); download it again or give "
+        raise UserError(f"{file}: not a valid HF tokenizer.json ({first_line(e)}); download it again or give "
                         f"another model folder") from None
     folder = file.parent
     config = _read_json(folder / "tokenizer_config.json")
@@ -288,7 +298,7 @@ def _read_json(file: Path) -> dict:
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{file}: not valid JSON ({_first_line(e)}); fix or delete the file") from None
+        raise UserError(f"{file}: not valid JSON ({first_line(e)}); fix or delete the file") from None
     if not isinstance(value, dict):
         raise UserError(f"{file}: expected a JSON object, found {type(value).__name__}; fix or delete the file")
     return value
@@ -298,7 +308,7 @@ def _read_text(file: Path, what: str = "") -> str:
     try:
         return file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{what + ' ' if what else ''}{file}: cannot read the chat template ({_first_line(e)})") \
+        raise UserError(f"{what + ' ' if what else ''}{file}: cannot read the chat template ({first_line(e)})") \
             from None
 
 
@@ -311,10 +321,6 @@ def _token_content(value) -> str | None:
 
 def _token_names(config: dict) -> dict[str, str]:
     return {k: s for k, v in config.items() if k.endswith("_token") and (s := _token_content(v)) is not None}
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _clean_up_spaces(text: str) -> str:
@@ -404,9 +410,9 @@ def _render(template: str, variables: dict, name: str, track: bool = False):
             record["blocks"].append(block)
         return "".join(record["blocks"]), record["spans"]
     except jinja2.TemplateSyntaxError as e:
-        raise UserError(f"the chat template of {name} does not parse: {_first_line(e)} (line {e.lineno})") from None
+        raise UserError(f"the chat template of {name} does not parse: {first_line(e)} (line {e.lineno})") from None
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise UserError(f"the chat template of {name} failed on these messages: {_first_line(e)}") from None
+        raise UserError(f"the chat template of {name} failed on these messages: {first_line(e)}") from None
 
 
 def _strip_markers(marked: str) -> tuple[str, list[tuple[int, int]]]:

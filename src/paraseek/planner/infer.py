@@ -170,7 +170,7 @@ def plan_inference(a: ModelArgs, c: Cluster, seq_len: int, batch: int | None = N
 def planned_kv_tokens(engine) -> int | None:
     """What `paraseek plan --mode infer` predicts for the engine's KV pool on this GPU with its settings (the same
     formulas, on the measured memory): printed beside the pool's size, so that a wrong planner shows. paraseek/cli.py
-    hands it to generate, serve and bench-infer (infer/cli.py: build_engine): the engine does not depend on the
+    hands it to generate, serve and bench-infer (infer/build.py: build_engine): the engine does not depend on the
     planner."""
     import dataclasses as dc
 

@@ -30,7 +30,7 @@ def _check(ns: argparse.Namespace) -> None:
         raise UserError("--batch-file IN.jsonl and --output OUT.jsonl go together")
     if ns.batch_file is not None and ns.dp > 1:
         raise UserError("--batch-file runs one replica: leave out --dp")
-    from paraseek.infer.cli import lora_enabled, parse_lora_modules
+    from paraseek.infer.flags import lora_enabled, parse_lora_modules
 
     ns.lora_modules = parse_lora_modules(ns.lora_modules or [], "--lora-modules")
     if lora_enabled(ns) and ns.dp > 1:
@@ -95,17 +95,18 @@ def _check_address(host: str, port: int) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import os
 
-    from paraseek.infer.cli import (_WORKER_ENV, _exit, build_engine, check_lora_modules, check_parallel,
-                                    check_speculative, device_for, engine_config, generation_defaults,
-                                    load_tokenizer, place, replica_gpus, spawn)
-    from paraseek.infer.load import resolve_source
+    from paraseek.infer.build import build_engine, check_lora_modules, check_speculative
+    from paraseek.infer.flags import engine_config, generation_defaults
+    from paraseek.infer.load import load_tokenizer, resolve_source
+    from paraseek.infer.ranks import WORKER_ENV, check_parallel, device_for, finish, place, replica_gpus
+    from paraseek.launcher import spawn
 
     _check(ns)
     if ns.batch_file is not None:
         from paraseek.serve.batch import read_batch
 
         read_batch(ns.batch_file)  # a bad file costs one line before the model loads
-    elif os.environ.get(_WORKER_ENV) != "1":  # the launching process; its rank 0 listens
+    elif os.environ.get(WORKER_ENV) != "1":  # the launching process; its rank 0 listens
         _check_address(ns.host, ns.port)
     src = resolve_source(ns.model, random_weights=ns.random_weights, tokenizer=ns.tokenizer)
     device = device_for(ns)
@@ -117,16 +118,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     max_len = engine_config(ns).context_length(src.args)
     if ns.num_kv_blocks is not None:
         check_capacity(ns.num_kv_blocks, ns.block_size, max_len, given=True)
-    tokenizer = load_tokenizer(src)
-    if ns.chat_template:
-        if tokenizer is None:
-            raise UserError("--chat-template needs a tokenizer; this model has none")
-        from paraseek.models.tokenizer import load_text_tokenizer
-
-        tokenizer = load_text_tokenizer(src.tokenizer, chat_template=ns.chat_template or src.chat_template)
+    if ns.chat_template and src.tokenizer is None:
+        raise UserError("--chat-template needs a tokenizer; this model has none")
+    tokenizer = load_tokenizer(src, ns.chat_template)
     defaults, why = generation_defaults(src)
-    if replica_gpus(ns) * ns.dp > 1 and os.environ.get(_WORKER_ENV) != "1":
-        return spawn(replica_gpus(ns) * ns.dp, ns.argv)
+    if replica_gpus(ns) * ns.dp > 1 and os.environ.get(WORKER_ENV) != "1":
+        return spawn(replica_gpus(ns) * ns.dp, ns.argv, {WORKER_ENV: "1"})
     pl = place(ns, device)
     listener = None
     if ns.dp > 1:  # the HTTP process listens for the other replicas' drivers; everyone learns where
@@ -154,7 +151,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
             serve_remote(EngineLoop(engine), address, key, pl.replica)
             engine.shutdown()
-        return _exit(0, pl)
+        return finish(0, pl)
 
     import uvicorn
 
@@ -181,7 +178,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             rc = run_batch(ns, state, engine, EngineLoop)
         finally:
             engine.shutdown()
-        return _exit(rc, pl)
+        return finish(rc, pl)
     app = build_app(state, ns.max_body_bytes)
     say(f"{src.spec} ({src.kind}) as {name!r} on http://{ns.host}:{ns.port} | tokenizer: {src.tokenizer_why} | "
         f"sampling defaults: {why} | {tools_why}{' | API key required' if ns.api_key else ''}"
@@ -244,7 +241,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         t.join(30)
         loop_box[0].engine.shutdown()
     say(f"stopped ({server.stop_reason})")
-    return failure[0] or _exit(0, pl)
+    return failure[0] or finish(0, pl)
 
 
 class _Server:
@@ -303,7 +300,7 @@ SERVE_MAX_BATCHED_TOKENS = 1024
 
 
 def register(subparsers) -> None:
-    from paraseek.infer.cli import add_engine_arguments
+    from paraseek.infer.flags import add_engine_arguments
 
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible server on the inference engine (completions, chat, streaming, metrics)",

@@ -26,7 +26,7 @@ from paraseek.planner.memory import layer_cost, model_terms, partition
 from paraseek.train import mtp as mtp_flags
 from paraseek.train.checkpoint import load_checkpoint
 from paraseek.train.config import TrainConfig
-from paraseek.train.data import DataLoader
+from paraseek.train.loader import DataLoader
 
 
 @dataclass

@@ -14,7 +14,7 @@ Rows (a .jsonl line or a .parquet row):
 Every token gets a role: CONTEXT (system, user and tool turns, the template's own text), ASSISTANT (an assistant
 turn's span as the renderer locates it: the tagged {% generation %} text, or the content plus the end-of-turn token
 written right after it) or LAST (the last assistant turn). `--loss-on` picks the targets from the roles at load time
-(train/data.py), so the cached tokens serve every choice. A token belongs to a span when it holds any of the span's
+(train/dataset.py), so the cached tokens serve every choice. A token belongs to a span when it holds any of the span's
 characters, as transformers' `return_assistant_tokens_mask` marks them (char_to_token of the span's first and last
 character, and every token between).
 """

@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 from paraseek.errors import UserError
-from paraseek.train.config import (TrainConfig, check_profile_window, config_toml, from_namespace, resolve_defaults,
-                                   validate)
+from paraseek.launcher import failed_first, run_ranks, threads_per_rank
+from paraseek.train.config import TrainConfig, config_toml, resolve_defaults
+from paraseek.train.flags import from_namespace
+from paraseek.train.validate import check_profile_window, validate
 from paraseek.train.stop import ARGV_ENV
 from paraseek.train.worker import CONFIG_ENV
 
@@ -36,7 +38,7 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
     from paraseek.monitor.progress import flight_recorder_env
 
     # Share the cores between processes instead of oversubscribing them (and silence torchrun's warning).
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cfg.nproc))}
+    env = {"OMP_NUM_THREADS": threads_per_rank(cfg.nproc)}
     env.update(flight_recorder_env(cfg.run_dir))  # Flight Recorder on, dumps into RUN_DIR
     if cfg.device == "cuda":
         # Fewer fragmentation OOMs on long or variable sequences (the fix CUDA_LAUNCH_BLOCKING is not).
@@ -228,7 +230,7 @@ def _check_data(cfg: TrainConfig) -> None:
     """Open the data in the parent: a mistake costs one line and no processes, and a corpus is tokenized once here
     (with a progress bar) into the cache the workers then read. (validate has checked the model and the plan.)"""
     from paraseek.models import resolve_model
-    from paraseek.train.data import open_training_data
+    from paraseek.train.dataset import open_training_data
 
     if cfg.data != "synthetic" or cfg.eval_data or cfg.eval_split:  # (an --eval-split of synthetic data is refused)
         args, _, _ = resolve_model(cfg.init_from or cfg.model)
@@ -243,18 +245,7 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 def launch(cfg: TrainConfig) -> int:
-    """Run torch.distributed.run in this process (not as a subprocess) so that a failed worker comes back as an
-    exit code and one line, instead of the launcher's traceback and error dump."""
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    # The elastic agent's own warnings and error dumps: the workers report for themselves, and so do we below.
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic") or name == "torch.distributed.run":
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-
+    """The workers of every rank of this node, through torch's launcher (launcher.run_ranks); the run's exit code."""
     argv = [f"--nproc-per-node={cfg.nproc}"]
     if cfg.nnodes == 1:
         argv.append("--standalone")
@@ -274,10 +265,8 @@ def launch(cfg: TrainConfig) -> int:
     previous = {signum: signal.signal(signum, passer) for signum in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
     try:
-        run(get_args_parser().parse_args(argv))
-        return 0
-    except ChildFailedError as e:
-        return _failed(cfg, e, passer.signum, started)
+        failure = run_ranks(argv)
+        return 0 if failure is None else _failed(cfg, failure, passer.signum, started)
     except KeyboardInterrupt:  # a second Ctrl-C (the workers are killed), or a signal before any worker started
         print("paraseek: stopped at once; the step in progress was not saved", file=sys.stderr)
         return 128 + (passer.signum or signal.SIGINT)
@@ -350,8 +339,7 @@ def _failed(cfg: TrainConfig, e, signum: int, started: float) -> int:
               f"(that node's output, or `paraseek diagnose` of the run folder, names it)", file=sys.stderr)
         return 1
     rank, failure = e.get_first_failure()
-    how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-    print(f"paraseek: rank {rank} failed first ({how}); the job was stopped on all ranks", file=sys.stderr)
+    print(f"paraseek: {failed_first(rank, failure.exitcode)}", file=sys.stderr)
     # A worker killed before it could report (NCCL's watchdog aborts on a timeout): the progress records and
     # Flight Recorder dumps in the run folder still say who did not reach which step.
     from paraseek.monitor.diagnose import diagnose
@@ -366,7 +354,7 @@ def _failed(cfg: TrainConfig, e, signum: int, started: float) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from paraseek.train.config import add_arguments
+    from paraseek.train.flags import add_arguments
 
     p = subparsers.add_parser(
         "train", help="train a model on torch.distributed (FSDP2 / HSDP / DDP, TP, PP, EP), one node or many",

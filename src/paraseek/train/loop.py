@@ -53,7 +53,8 @@ from paraseek.train import mtp as mtp_flags
 from paraseek.train.build import Model, build, resume
 from paraseek.train.checkpoint import full_model_state, save_checkpoint
 from paraseek.train.config import TrainConfig, tokenizer_origin
-from paraseek.train.data import DataLoader, EvalLoader, open_training_data
+from paraseek.train.dataset import open_training_data
+from paraseek.train.loader import DataLoader, EvalLoader
 from paraseek.train.moe import ExpertBalance
 from paraseek.train.optim import build_optimizer, clip_grad_norm, lr_at, resumed_schedule, schedule_of, token_loss
 from paraseek.train.stop import STOP, stop_message

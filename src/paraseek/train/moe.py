@@ -24,7 +24,7 @@ class ExpertBalance:
         self.load = ExpertLoad(inner, device)  # also on a pipeline stage without MoE layers
         # V3 balances with its routing bias (report sec. 2.1.2, gamma 0.001) and trains without the auxiliary loss
         # by default; V2 with its balance loss (aux_loss_alpha from the config).
-        # Not under LoRA: the bias belongs to the frozen base, which the adapters cannot carry (train/config.py
+        # Not under LoRA: the bias belongs to the frozen base, which the adapters cannot carry (train/validate.py
         # refuses an explicit gamma there).
         v3 = args.topk_method == "noaux_tc"
         self.gamma = cfg.moe_bias_gamma if cfg.moe_bias_gamma >= 0 else (0.001 if v3 and not cfg.lora_rank else 0.0)
