@@ -117,6 +117,38 @@ def test_v3_on_8_h200_fp8_every_layout_and_dp_attention_caches_per_rank():
     assert all(r.replicas == 1 and r.decode_tokens_per_s_per_gpu > 0 for r in (rep, dpa))
 
 
+def test_each_layouts_step_reads_its_rows_and_pays_its_collectives():
+    """Under dp-attention a rank's attention reads its own rows and its MoE every rank's; the MoE collective is
+    priced as training's: ep's all-reduce of [N, D] a MoE layer, dp-attention's all-gather and reduce-scatter of
+    every rank's rows, tp's two all-reduces a layer."""
+    from paraseek.planner import infer_speed as S
+    from paraseek.planner.cost import collective
+
+    v3, c = resolve_model("deepseek-v3")[0], make_cluster("H200", 8)
+    moe_layers, row = 58, 2 * v3.dim
+
+    def ops(lay, rows):
+        return {name: (nbytes, flops) for name, _, _, _, nbytes, flops in
+                S.step_ops(v3, lay, 1, S.StepShape(rows, rows * 1024, [], rows))}
+
+    dpa, ep = ops(Layout(1, 8, True), 8), ops(Layout(1, 8), 64)
+    assert dpa["moe_gate_up"] == ep["moe_gate_up"] and dpa["router"] == ep["router"]
+    assert dpa["decode_attention"] == ops(Layout(1, 8), 8)["decode_attention"]
+    assert "shared_gate_up" in ep and "shared_gate_up" not in ops(Layout(8), 64)  # stacked with the routed ones
+
+    def comm(lay, rows):
+        bd: dict = {}
+        S.decode_step_seconds(v3, c, lay, 1, rows, 1024, 256, bd)
+        return bd["collectives"]
+
+    tp = 2 * 61 * collective(c, 64 * row, 1, 8, "all_reduce")
+    assert comm(Layout(8), 64) == pytest.approx(tp) and comm(Layout(8, 8), 64) == pytest.approx(tp)
+    assert comm(Layout(1, 8), 64) == pytest.approx(moe_layers * collective(c, 64 * row, 1, 8, "all_reduce"))
+    full = 8 * 8 * row
+    assert comm(Layout(1, 8, True), 8) == pytest.approx(
+        moe_layers * (collective(c, full, 1, 8, "all_gather") + collective(c, full, 1, 8, "reduce_scatter")))
+
+
 def test_planned_kv_tokens_reads_the_engines_layout(monkeypatch):
     """The pool the planner predicts for a running engine is its layout's one rank's, with its weight format."""
     v3 = resolve_model("deepseek-v3")[0]
@@ -139,7 +171,8 @@ def test_plan_cli_names_each_layout_and_its_serve_command():
     rc, text = run_plan_cli(*base, "--json")
     assert rc == 0
     plans = {p["layout"]: p for p in json.loads(text)["plans"]}
-    flags = " --quantization fp8 --kv-cache-dtype fp8 --max-model-len 4096 --max-num-seqs 1024 --max-batched-tokens 16384"
+    flags = (" --quantization fp8 --kv-cache-dtype fp8 --max-model-len 4096 --max-num-seqs 1024"
+             " --max-batched-tokens 16384")
     assert plans["tp8"]["command"] == "paraseek serve deepseek-v3 --tp 8" + flags
     assert plans["tp1 ep8"]["command"] == "paraseek serve deepseek-v3 --ep 8" + flags
     assert plans["tp8 ep8"]["command"] == "paraseek serve deepseek-v3 --tp 8 --ep 8" + flags

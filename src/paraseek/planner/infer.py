@@ -1,17 +1,24 @@
-"""Inference planning: per TP degree, the largest batch x context that fits and the predicted decode/prefill speed.
+"""Inference planning: per serving layout, the largest batch x context that fits and the predicted decode/prefill speed.
+
+Layouts (`layouts`): the engine's --tp k, and on MoE models whose routed experts k divides, --ep k alone (attention,
+dense MLPs, shared experts and head whole on every rank, E/k routed experts each), --tp k --ep k (the same k ranks:
+attention by heads, E/k routed experts whole) and --ep k --dp-attention (each rank runs attention, the dense MLPs
+and the shared experts for its own requests, the MoE layers expert-parallel over every rank's tokens).
 
 Memory per GPU, as the engine (infer/engine.py) sizes its KV pool: of gpu_memory_utilization x the GPU's memory,
-take the weights / tp (norms, MLA's low-rank down-projections and the router whole; the embedding whole, the head
-split by vocabulary), the CUDA context, the CUDA graphs' pool (the largest decode step's workspace), and the
-largest step's workspace with the engine's 10% margin -- a
-max_batched_tokens prefill through one layer at a time (the residual stream, the fused projections' outputs, the
-attention output, the MLP's gate|up and its product; MoE: K routed copies of each token), plus the sampler's fp32
+take the rank's weights (`rank_weight_bytes`: tensor by tensor as infer/model.py lays them out), the CUDA context,
+the CUDA graphs' pool (the largest decode step's workspace), and the largest step's workspace with the engine's 10%
+margin -- a max_batched_tokens prefill through one layer at a time (the residual stream, the fused projections'
+outputs, the attention output, the MLP's gate|up and its product; MoE: K routed copies of each token; under
+dp-attention a rank's share of the step through attention, every rank's through the MoE), plus the sampler's fp32
 logits of max_num_seqs rows (a few copies: softmax, sort for top-p) -- and the rest is KV cache. KV cache per token
 per layer: 2 x n_kv_heads x head_dim (K and V, split over tp; replicated when tp > n_kv_heads) or, for MLA
 (DeepSeek-V2/V3), the compressed latent kv_lora_rank + the shared RoPE key qk_rope_head_dim (V2 paper sec. 2.1.2),
 which is not split by heads and so is held whole on every tp rank; 2 bytes a value, or with --kv-cache-dtype fp8 one
-byte plus a 4-byte scale per row (a token's latent, or one kv head's K or V). Speed (decode steps, prefill, offline
-runs) is infer_speed.py's: the engine's kernels priced one by one at measured rates, its continuous batching replayed
+byte plus a 4-byte scale per row (a token's latent, or one kv head's K or V). A model copy's cache: one rank's when
+attention is replicated or split by heads (every rank holds every request), its ranks' together under dp-attention
+(each rank its own requests). Speed (decode steps, prefill, offline runs) is infer_speed.py's: the engine's kernels
+priced one by one at measured rates, its collectives at the cluster's link rates, its continuous batching replayed
 (the decode kernels' cache reads priced at 2 bytes a value whatever the cache dtype: fp8 decode is not yet measured).
 """
 

@@ -6,13 +6,15 @@ kernel by kernel as the decode profiles list them), each priced as
 and the fused-MoE kernels as latency + bytes / ... + FLOPs / ... (their tiles load, then multiply: the two add up in
 the measured timings, see KERNELS). HBM rate and GEMM rate are the cluster's (c.hbm_gbps, c.matmul_tflops: a doctor
 profile's measured ones, else the datasheet's times the generation's efficiency); the latencies and fractions are
-KERNELS below, fitted on one H200.
+KERNELS below, fitted on one H200. A step is one rank's: its layout (`Layout`: tp, ep, dp-attention) says which
+weights and rows its kernels read, and its collectives (`collective_seconds`) are priced as training's, at the
+cluster's bus bandwidth (planner/cost.py's collective).
 
 The host: a decode-only step replays a CUDA graph of the whole forward; any step with a prefill chunk runs eagerly,
 each operation issued from Python. The engine builds and launches step k+1 while the GPU runs step k (overlapped
-greedy steps, infer/engine.py), so a step lasts max(GPU time, host time) (their sum with tp > 1, where the engine
-reads each step back first), the host's being HOST's per-step and per-sequence costs and, for an eager step, its
-host calls (counted in `step_ops`) and decode rows.
+greedy steps, infer/engine.py), so a step lasts max(GPU time, host time) (their sum when a replica has several
+ranks, where the engine reads each step back first), the host's being HOST's per-step and per-sequence costs and,
+for an eager step, its host calls (counted in `step_ops`) and decode rows.
 
 Offline workloads (`bench-infer`'s throughput and concurrency runs) are replayed through the scheduler's rules
 (infer/scheduler.py: decodes first, then prefill chunks, then admissions in order under max_batched_tokens and
@@ -222,8 +224,8 @@ def step_ops(a: ModelArgs, tp: Layout | int, wb: float, s: StepShape,
     kernels on. Under dp-attention `s` is the rank's own rows, and its MoE layers take every rank's (ep x its rows:
     the ranks are alike, the gathered rows padded to the largest rank's). Under ep the routed experts are the rank's
     E/ep whole (every token's K slots computed, the other ranks' ones on local expert 0 weighted 0: infer/ep.py's
-    local_slots), the shared experts their own MLP (width n_shared x F / tp) beside the fused launch. Decode: q|k|v (MLA: the
-    fused input projection, the W_UK and W_UV products around the latent attention), rope + cache write, the
+    local_slots), the shared experts their own MLP (width n_shared x F / tp) beside the fused launch. Decode: q|k|v
+    (MLA: the fused input projection, the W_UK and W_UV products around the latent attention), rope + cache write, the
     split-KV decode and its combine, o, two fused add+norms, gate|up, silu, down; MoE: the router's cast and GEMM,
     route, then align + fused gate|up + fused down + combine, or the sorted grouped path beyond FUSED_MAX_SLOTS.
     Prefill chunks: the context's K/V gathered, flash attention (MLA: the latents expanded through kv_b). Host calls
