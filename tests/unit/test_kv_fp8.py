@@ -77,7 +77,7 @@ def test_plan_cli_kv_cache_dtype():
         rc, text = run_plan_cli("--model", "deepseek-v3", "--mode", "infer", "--gpus", "8", "--gpu-type", "H200",
                                 "--weight-dtype", "fp8", "--num-requests", "0", "--kv-cache-dtype", dtype, "--json")
         assert rc == 0
-        rows[dtype] = {r["tp"]: r for r in json.loads(text)["plans"]}[8]
+        rows[dtype] = {r["layout"]: r for r in json.loads(text)["plans"]}["tp8"]
     assert rows["fp8"]["kv_cache_bytes_per_token"] == 61 * 580
     assert rows["auto"]["kv_cache_bytes_per_token"] == 61 * 1152
     # The same memory holds 1.99x the tokens.

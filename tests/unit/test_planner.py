@@ -272,11 +272,11 @@ def test_mla_kv_cache_is_the_compressed_latent():
 
 def test_inference_v3_on_one_h200_node_fits_in_fp8_not_bf16():
     v3, c = model("deepseek-v3"), make_cluster("H200", 8)
-    bf16 = {r.tp: r for r in plan_inference(v3, c, 4096, weight_dtype="bf16")}
-    fp8 = {r.tp: r for r in plan_inference(v3, c, 4096, weight_dtype="fp8")}
-    assert bf16[8].max_batch == 0 and bf16[8].reason
-    assert fp8[8].max_batch > 0 and fp8[8].decode_tokens_per_s_per_gpu > 0
-    assert fp8[8].max_context >= 4096
+    bf16 = {r.layout.name: r for r in plan_inference(v3, c, 4096, weight_dtype="bf16")}
+    fp8 = {r.layout.name: r for r in plan_inference(v3, c, 4096, weight_dtype="fp8")}
+    assert bf16["tp8"].max_batch == 0 and bf16["tp8"].reason
+    assert fp8["tp8"].max_batch > 0 and fp8["tp8"].decode_tokens_per_s_per_gpu > 0
+    assert fp8["tp8"].max_context >= 4096
 
 
 # ---- scaling, profile ----------------------------------------------------------------------------------------------

@@ -219,8 +219,10 @@ def _run_infer(ns: argparse.Namespace, args, cluster) -> int:
                           kv_cache_dtype=ns.kv_cache_dtype or "auto")
     wb = WEIGHT_BYTES[weight_dtype]
     for r in rows:
+        r.command = report.serve_command(ns.model, cluster, r, ns.seq_len, weight_dtype, ns.kv_cache_dtype or "auto",
+                                         seqs, step_tokens)
         if r.max_batch >= 1:  # weights and one sequence fit (an asked batch that does not is reported)
-            r.speed = infer_speed.predict(args, cluster, r.tp, wb, r.max_context, context_len=context,
+            r.speed = infer_speed.predict(args, cluster, r.layout, wb, r.max_context, context_len=context,
                                           batch_sizes=batches, prompt_len=prompt_len, workload=workload,
                                           max_num_seqs=seqs, max_batched_tokens=step_tokens, replicas=r.replicas)
     if ns.json:

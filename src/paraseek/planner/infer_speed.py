@@ -6,13 +6,15 @@ kernel by kernel as the decode profiles list them), each priced as
 and the fused-MoE kernels as latency + bytes / ... + FLOPs / ... (their tiles load, then multiply: the two add up in
 the measured timings, see KERNELS). HBM rate and GEMM rate are the cluster's (c.hbm_gbps, c.matmul_tflops: a doctor
 profile's measured ones, else the datasheet's times the generation's efficiency); the latencies and fractions are
-KERNELS below, fitted on one H200.
+KERNELS below, fitted on one H200. A step is one rank's: its layout (`Layout`: tp, ep, dp-attention) says which
+weights and rows its kernels read, and its collectives (`collective_seconds`) are priced as training's, at the
+cluster's bus bandwidth (planner/cost.py's collective).
 
 The host: a decode-only step replays a CUDA graph of the whole forward; any step with a prefill chunk runs eagerly,
 each operation issued from Python. The engine builds and launches step k+1 while the GPU runs step k (overlapped
-greedy steps, infer/engine.py), so a step lasts max(GPU time, host time) (their sum with tp > 1, where the engine
-reads each step back first), the host's being HOST's per-step and per-sequence costs and, for an eager step, its
-host calls (counted in `step_ops`) and decode rows.
+greedy steps, infer/engine.py), so a step lasts max(GPU time, host time) (their sum when a replica has several
+ranks, where the engine reads each step back first), the host's being HOST's per-step and per-sequence costs and,
+for an eager step, its host calls (counted in `step_ops`) and decode rows.
 
 Offline workloads (`bench-infer`'s throughput and concurrency runs) are replayed through the scheduler's rules
 (infer/scheduler.py: decodes first, then prefill chunks, then admissions in order under max_batched_tokens and
@@ -133,6 +135,50 @@ def touched_experts(n_tokens: int, top_k: int, n_experts: int) -> float:
     return n_experts * (1 - (1 - top_k / n_experts) ** n_tokens) if n_experts else 0.0
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How the engine splits one model replica over its GPUs (its --tp, --ep, --dp-attention; infer/tp.py, infer/ep.py):
+    tp cuts attention by heads and the dense MLPs, shared experts and vocabulary by width; ep > 1 gives each rank
+    E/ep routed experts whole (tp is 1, or the same ranks: tp == ep); dp_attention (ep > 1, tp 1) has each rank run
+    attention, the dense MLPs and the shared experts for its own requests over its own cache, the tokens of every
+    rank gathered into the MoE layers and their outputs scattered back."""
+
+    tp: int = 1
+    ep: int = 1
+    dp_attention: bool = False
+
+    @staticmethod
+    def of(x: Layout | int) -> Layout:
+        """A tp degree alone is the tp layout."""
+        return x if isinstance(x, Layout) else Layout(x)
+
+    @property
+    def ranks(self) -> int:
+        """GPUs of one replica (infer/ep.py's model_ranks)."""
+        return max(self.tp, self.ep)
+
+    @property
+    def attn_dp(self) -> int:
+        """Request groups of one replica, each with its own cache and scheduler: its ranks under dp-attention."""
+        return self.ep if self.dp_attention else 1
+
+    @property
+    def name(self) -> str:
+        return f"tp{self.tp}" + (f" ep{self.ep}" if self.ep > 1 else "") + (" dp-attn" if self.dp_attention else "")
+
+    def flags(self) -> list[str]:
+        """The engine's flags for it (`paraseek serve`, `generate`)."""
+        return ((["--tp", str(self.tp)] if self.tp > 1 else []) + (["--ep", str(self.ep)] if self.ep > 1 else [])
+                + (["--dp-attention"] if self.dp_attention else []))
+
+
+def rank_step_tokens(lay: Layout, max_batched_tokens: int) -> int:
+    """The tokens one rank's step takes at most. Under dp-attention the ranks share the replica's budget, as SGLang
+    divides its chunked-prefill size by the dp size: a rank takes max_batched_tokens / ep, so the MoE layers' gathered
+    step stays max_batched_tokens rows (their workspace that of replicated attention's step)."""
+    return max(1, max_batched_tokens // lay.attn_dp)
+
+
 @dataclass
 class StepShape:
     """One engine step: n_decode one-token rows over contexts summing to decode_ctx, and prefill chunks (queries,
@@ -171,16 +217,22 @@ def _bucket(rows: int) -> int:
     return next(b for b in (1, 2, 4, 8, 16) if b >= rows)
 
 
-def step_ops(a: ModelArgs, tp: int, wb: float, s: StepShape,
+def step_ops(a: ModelArgs, tp: Layout | int, wb: float, s: StepShape,
              gemv: frozenset = frozenset()) -> list[tuple[str, str, int, int, float, float]]:
     """(name, kernel class, kernels launched, host calls when eager, bytes, FLOPs) of every operation of a step on one
-    tp rank, summed over the layers: infer/model.py's forward with the Triton kernels on. Decode: q|k|v (MLA: the
-    fused input projection, the W_UK and W_UV products around the latent attention), rope + cache write, the
+    rank of the layout (a tp degree: tp alone), summed over the layers: infer/model.py's forward with the Triton
+    kernels on. Under dp-attention `s` is the rank's own rows, and its MoE layers take every rank's (ep x its rows:
+    the ranks are alike, the gathered rows padded to the largest rank's). Under ep the routed experts are the rank's
+    E/ep whole (every token's K slots computed, the other ranks' ones on local expert 0 weighted 0: infer/ep.py's
+    local_slots), the shared experts their own MLP (width n_shared x F / tp) beside the fused launch. Decode: q|k|v
+    (MLA: the fused input projection, the W_UK and W_UV products around the latent attention), rope + cache write, the
     split-KV decode and its combine, o, two fused add+norms, gate|up, silu, down; MoE: the router's cast and GEMM,
     route, then align + fused gate|up + fused down + combine, or the sorted grouped path beyond FUSED_MAX_SLOTS.
     Prefill chunks: the context's K/V gathered, flash attention (MLA: the latents expanded through kv_b). Host calls
     count what an eager step's Python issues for the op (the kernels, their output allocations, views, slices and
     the checks around them, read off the forward), which a CUDA graph replays without."""
+    lay = Layout.of(tp)
+    tp = lay.tp
     N, nd, ctx = s.n_tokens, s.n_decode, s.decode_ctx
     npre = sum(q for q, _ in s.chunks)
     pairs = sum(q * k - q * (q - 1) / 2 for q, k in s.chunks)  # causal query-key pairs of the chunks
@@ -246,23 +298,35 @@ def step_ops(a: ModelArgs, tp: int, wb: float, s: StepShape,
     op("silu_mul", "small", 1, 2, B2 * N * 3 * F, layers=dense_layers)
     linear("down", F, D, layers=dense_layers)
     if moe_layers:
-        E, K, ns, Fm = a.n_routed_experts, a.n_activated_experts, a.n_shared_experts, a.moe_inter_dim // tp
-        Kt = K + ns
-        op("router_cast", "small", 1, 1, N * D * (B2 + 4), layers=moe_layers)
-        op("router", "gemm", 1, 1, 4 * D * E + 4 * N * (D + E), 2 * N * D * E, layers=moe_layers)
-        op("route", "small", 1, 4, 4 * N * E, layers=moe_layers)
-        read = wb * 3 * Fm * D * (ns + touched_experts(N, K, E))  # the weights of the experts some token picked
-        if N * Kt <= FUSED_MAX_SLOTS:
-            op("moe_align", "small", 1, 5, 4 * N * Kt * 2, layers=moe_layers)
-            op("moe_gate_up", "moe", 1, 2, read * 2 / 3 + B2 * N * Kt * (D + Fm), 2 * N * Kt * D * 2 * Fm,
+        E, K, ns = a.n_routed_experts, a.n_activated_experts, a.n_shared_experts
+        M = N * lay.attn_dp  # the MoE layers' rows: every rank's under dp-attention
+        op("router_cast", "small", 1, 1, M * D * (B2 + 4), layers=moe_layers)
+        op("router", "gemm", 1, 1, 4 * D * E + 4 * M * (D + E), 2 * M * D * E, layers=moe_layers)
+        op("route", "small", 1, 4, 4 * M * E, layers=moe_layers)
+        if lay.ep > 1:
+            Fm, Kt, El = a.moe_inter_dim, K, E // lay.ep
+            # This rank's experts some token picked, and local expert 0, which takes the other ranks' slots.
+            read = wb * 3 * Fm * D * (1 + (El - 1) * touched_experts(M, K, E) / E)
+            if ns:  # the shared experts' own MLP, on the rank's own rows, added after the routed sum
+                Fs, rows = ns * a.moe_inter_dim // tp, s.n_tokens
+                linear("shared_gate_up", D, 2 * Fs, rows=rows, layers=moe_layers)
+                op("shared_silu_mul", "small", 1, 2, B2 * rows * 3 * Fs, layers=moe_layers)
+                linear("shared_down", Fs, D, rows=rows, layers=moe_layers)
+                op("shared_add", "small", 1, 1, B2 * rows * D * 3, layers=moe_layers)
+        else:  # the shared experts ride in the fused launch as n_shared more experts of every token
+            Fm, Kt = a.moe_inter_dim // tp, K + ns
+            read = wb * 3 * Fm * D * (ns + touched_experts(M, K, E))  # the weights of the experts some token picked
+        if M * Kt <= FUSED_MAX_SLOTS:
+            op("moe_align", "small", 1, 5, 4 * M * Kt * 2, layers=moe_layers)
+            op("moe_gate_up", "moe", 1, 2, read * 2 / 3 + B2 * M * Kt * (D + Fm), 2 * M * Kt * D * 2 * Fm,
                layers=moe_layers)
-            op("moe_down", "moe", 1, 2, read / 3 + B2 * N * Kt * Fm + 4 * N * Kt * D, 2 * N * Kt * Fm * D,
+            op("moe_down", "moe", 1, 2, read / 3 + B2 * M * Kt * Fm + 4 * M * Kt * D, 2 * M * Kt * Fm * D,
                layers=moe_layers)
-            op("moe_combine", "small", 1, 2, 4 * N * Kt * D + B2 * N * D, layers=moe_layers)
+            op("moe_combine", "small", 1, 2, 4 * M * Kt * D + B2 * M * D, layers=moe_layers)
         else:  # argsort, counts, gather, grouped gate|up, silu, grouped down, scatter, weighted sum
-            op("moe_grouped_gemm", "grouped", 2, 6, read + B2 * N * Kt * (D + 3 * Fm + D),
-               2 * N * Kt * 3 * Fm * D, layers=moe_layers)
-            op("moe_sort_gather_sum", "small", 9, 24, B2 * N * Kt * (2 * D + 3 * Fm + 2 * D) + 4 * N * Kt * D * 2,
+            op("moe_grouped_gemm", "grouped", 2, 6, read + B2 * M * Kt * (D + 3 * Fm + D),
+               2 * M * Kt * 3 * Fm * D, layers=moe_layers)
+            op("moe_sort_gather_sum", "small", 9, 24, B2 * M * Kt * (2 * D + 3 * Fm + 2 * D) + 4 * M * Kt * D * 2,
                layers=moe_layers)
     # ---- outside the layers ----
     op("embedding_norm", "small", 2, 2, B2 * N * D * 3, layers=1)
@@ -283,55 +347,84 @@ def op_seconds(c, kind: str, nbytes: float, flops: float, launches: int) -> floa
     return launches * (k.latency_s + GRAPH_GAP_S) + (mem + comp if k.serial else max(mem, comp))
 
 
-def step_seconds(a: ModelArgs, c, tp: int, wb: float, s: StepShape, running: int = 0,
-                 breakdown: dict | None = None) -> float:
-    """One step's duration: max(its kernels' GPU time (+ tp all-reduces), the host's time to build and launch it),
-    or their sum with tp > 1."""
+def collective_seconds(a: ModelArgs, c, lay: Layout, rows: int) -> float:
+    """A step's collectives on one rank of the layout, `rows` its own rows, bf16 activations of width D, priced as
+    training's (cost.collective: the cluster's bus bandwidth for a group of that size, plus a latency):
+      tp > 1: Megatron's two all-reduces a layer of [rows, D] (infer/model.py's _all_reduce; under tp == ep the
+        routed and shared sums ride in the one after the MoE);
+      ep > 1 at tp 1: one all-reduce of [rows, D] a MoE layer (MoELayer.forward's, the ranks' routed sums);
+      dp-attention: a MoE layer all-gathers every rank's rows, [ep x rows, D], and reduce-scatters its outputs back."""
     from paraseek.planner.cost import collective
 
+    moe_layers = sum(a.is_moe_layer(i) for i in range(a.n_layers))
+    row = 2 * a.dim
+    if lay.tp > 1:
+        return 2 * a.n_layers * collective(c, rows * row, 1, lay.tp, "all_reduce")
+    if lay.dp_attention:
+        full = lay.ep * rows * row
+        return moe_layers * (collective(c, full, 1, lay.ep, "all_gather")
+                             + collective(c, full, 1, lay.ep, "reduce_scatter"))
+    return moe_layers * collective(c, rows * row, 1, lay.ep, "all_reduce")
+
+
+def step_seconds(a: ModelArgs, c, tp: Layout | int, wb: float, s: StepShape, running: int = 0,
+                 breakdown: dict | None = None) -> float:
+    """One step's duration on a rank of the layout (a tp degree: tp alone): max(its kernels' GPU time (+ its
+    collectives), the host's time to build and launch it), or their sum when the replica has several ranks."""
+    lay = Layout.of(tp)
     gpu = calls = 0.0
-    for name, kind, n, host, nbytes, flops in step_ops(a, tp, wb, s, gemv_shapes(c.gpu.name)):
+    for name, kind, n, host, nbytes, flops in step_ops(a, lay, wb, s, gemv_shapes(c.gpu.name)):
         t = op_seconds(c, kind, nbytes, flops, n)
         gpu += t
         calls += host
         if breakdown is not None:
             breakdown[name] = breakdown.get(name, 0.0) + t
-    if tp > 1:  # Megatron's two all-reduces a layer of the step's activations (infer/model.py's _all_reduce)
-        gpu += 2 * a.n_layers * collective(c, s.n_tokens * 2 * a.dim, 1, tp, "all_reduce")
+    if lay.ranks > 1:
+        comm = collective_seconds(a, c, lay, s.n_tokens)
+        gpu += comm
+        if breakdown is not None:
+            breakdown["collectives"] = comm
     host = HOST.step_s + HOST.seq_s * (running or s.n_decode + len(s.chunks))
     if not s.graph_rows:
         host += HOST.eager_step_s + HOST.call_s * calls + HOST.eager_seq_s * s.n_decode
     if breakdown is not None:
         breakdown["gpu_s"], breakdown["host_s"] = gpu, host
-    # One process overlaps a step's host work with the previous step's GPU time; with tp > 1 the engine reads each
-    # step back before building the next (engine.step), so the two add up.
-    return max(gpu, host) if tp == 1 else gpu + host
+    # One process overlaps a step's host work with the previous step's GPU time; with several ranks the engine reads
+    # each step back before building the next (engine.step), so the two add up.
+    return max(gpu, host) if lay.ranks == 1 else gpu + host
 
 
-def decode_step_seconds(a: ModelArgs, c, tp: int, wb: float, batch: int, context: int, max_num_seqs: int,
+def decode_step_seconds(a: ModelArgs, c, tp: Layout | int, wb: float, batch: int, context: int, max_num_seqs: int,
                         breakdown: dict | None = None) -> float:
-    """A decode-only step of `batch` sequences of `context` tokens each (the new one included), as a CUDA graph."""
+    """A decode-only step of `batch` sequences of `context` tokens each (the new one included), as a CUDA graph
+    (under dp-attention `batch` is each rank's own)."""
     s = StepShape(batch, batch * context, [], graph_batch(batch, max(max_num_seqs, batch)))
     return step_seconds(a, c, tp, wb, s, batch, breakdown)
 
 
-def prefill_seconds(a: ModelArgs, c, tp: int, wb: float, prompt_len: int, max_batched_tokens: int) -> float:
-    """One prompt alone, in chunks of max_batched_tokens, each an eager step."""
+def prefill_seconds(a: ModelArgs, c, tp: Layout | int, wb: float, prompt_len: int, max_batched_tokens: int) -> float:
+    """One prompt alone, in chunks of a rank's step tokens (rank_step_tokens), each an eager step."""
+    step_tokens = rank_step_tokens(Layout.of(tp), max_batched_tokens)
     total, done = 0.0, 0
     while done < prompt_len:
-        q = min(max_batched_tokens, prompt_len - done)
+        q = min(step_tokens, prompt_len - done)
         done += q
         total += step_seconds(a, c, tp, wb, StepShape(0, 0, [(q, done)]), 1)
     return total
 
 
-def prefill_tokens_per_s(a: ModelArgs, c, tp: int, wb: float, prompt_len: int, max_batched_tokens: int) -> float:
-    """Prompt tokens a second with a queue of prompt_len-token prompts: steps of max_batched_tokens // prompt_len
-    whole prompts (one prompt in chunks when it is longer than a step)."""
-    if prompt_len >= max_batched_tokens:
-        return prompt_len / prefill_seconds(a, c, tp, wb, prompt_len, max_batched_tokens)
-    k = max_batched_tokens // prompt_len
-    return k * prompt_len / step_seconds(a, c, tp, wb, StepShape(0, 0, [(prompt_len, prompt_len)] * k), k)
+def prefill_tokens_per_s(a: ModelArgs, c, tp: Layout | int, wb: float, prompt_len: int,
+                         max_batched_tokens: int) -> float:
+    """Prompt tokens a second of one replica with a queue of prompt_len-token prompts: steps of step_tokens //
+    prompt_len whole prompts (one prompt in chunks when it is longer than a step); under dp-attention every rank
+    prefills its own at once."""
+    lay = Layout.of(tp)
+    step_tokens = rank_step_tokens(lay, max_batched_tokens)
+    if prompt_len >= step_tokens:
+        return lay.attn_dp * prompt_len / prefill_seconds(a, c, lay, wb, prompt_len, max_batched_tokens)
+    k = step_tokens // prompt_len
+    return lay.attn_dp * k * prompt_len / step_seconds(a, c, lay, wb, StepShape(0, 0, [(prompt_len, prompt_len)] * k),
+                                                       k)
 
 
 # ---- continuous batching --------------------------------------------------------------------------------------------
@@ -490,15 +583,18 @@ class Workload:
         return rng.integers(a, b + 1, size=self.requests).tolist(), rng.integers(c, d + 1, size=self.requests).tolist()
 
 
-def run_requests(a: ModelArgs, c, tp: int, wb: float, prompts: list[int], outputs: list[int], max_num_seqs: int,
-                 max_batched_tokens: int, kv_tokens: int) -> dict:
-    """An offline run of these requests (all queued at once): its steps replayed and priced, in bench-infer's
-    throughput fields. `decode_ms_per_step`: the median step that decodes every request at once and nothing else
-    (bench-infer's concurrency rows)."""
-    rp = replay(prompts, outputs, max_num_seqs, max_batched_tokens, kv_tokens, overlapped=tp == 1)
+def run_requests(a: ModelArgs, c, tp: Layout | int, wb: float, prompts: list[int], outputs: list[int],
+                 max_num_seqs: int, max_batched_tokens: int, kv_tokens: int) -> dict:
+    """An offline run of these requests (all queued at once) on one replica, or under dp-attention on one rank of it
+    (its own requests, its own cache of kv_tokens; the other ranks alike): its steps replayed and priced, in
+    bench-infer's throughput fields. `decode_ms_per_step`: the median step that decodes every request at once and
+    nothing else (bench-infer's concurrency rows)."""
+    lay = Layout.of(tp)
+    rp = replay(prompts, outputs, max_num_seqs, rank_step_tokens(lay, max_batched_tokens), kv_tokens,
+                overlapped=lay.ranks == 1)
     ends, t, eager, full = [], 0.0, 0, []
     for st, running in rp.steps:
-        dt = step_seconds(a, c, tp, wb, st, running)
+        dt = step_seconds(a, c, lay, wb, st, running)
         t += dt
         ends.append(t)
         eager += not st.graph_rows
@@ -515,30 +611,36 @@ def run_requests(a: ModelArgs, c, tp: int, wb: float, prompts: list[int], output
     return out
 
 
-def predict(a: ModelArgs, c, tp: int, wb: float, kv_tokens: int, *, context_len: int, batch_sizes: list[int],
-            prompt_len: int, workload: Workload | None, max_num_seqs: int, max_batched_tokens: int,
-            replicas: int = 1) -> dict:
-    """What `plan --mode infer` reports per tp degree: decode steps at each batch size at context_len (and the
-    batch-1 ms per token), one prompt's time to first token and the prefill rate at prompt_len, and the offline
-    workload's throughput (the requests split over the model copies, every replicas-th to each)."""
+def predict(a: ModelArgs, c, tp: Layout | int, wb: float, kv_tokens: int, *, context_len: int,
+            batch_sizes: list[int], prompt_len: int, workload: Workload | None, max_num_seqs: int,
+            max_batched_tokens: int, replicas: int = 1) -> dict:
+    """What `plan --mode infer` reports per layout (a tp degree: tp alone): decode steps at each batch size (of one
+    model copy) at context_len (and the batch-1 ms per token), one prompt's time to first token and the prefill rate
+    at prompt_len, and the offline workload's throughput (the requests split over the request groups, every n-th to
+    each: the model copies, and under dp-attention each copy's ranks). `kv_tokens`: one rank's cache, the copy's
+    under replicated attention, its own requests' under dp-attention, whose batches split evenly over the ranks."""
+    lay = Layout.of(tp)
+    groups = replicas * lay.attn_dp
     decode = []
     for b in batch_sizes:
         bd: dict = {}
-        step = decode_step_seconds(a, c, tp, wb, b, context_len, max_num_seqs, bd)
+        mine = -(-b // lay.attn_dp)  # the rank's own sequences
+        step = decode_step_seconds(a, c, lay, wb, mine, context_len, max_num_seqs, bd)
         decode.append({"batch": b, "context": context_len, "ms_per_step": step * 1e3, "tokens_per_s": b / step,
                        "host_bound": bd["host_s"] > bd["gpu_s"],
-                       "fits": b <= max_num_seqs and b * context_len <= kv_tokens})
+                       "fits": mine <= max_num_seqs and mine * context_len <= kv_tokens})
     bd1: dict = {}
-    b1 = decode_step_seconds(a, c, tp, wb, 1, context_len, max_num_seqs, bd1)
+    b1 = decode_step_seconds(a, c, lay, wb, 1, context_len, max_num_seqs, bd1)
     out = {
         "engine": {"max_num_seqs": max_num_seqs, "max_batched_tokens": max_batched_tokens, "kv_tokens": kv_tokens},
+        "layout": lay.name,
         "batch1_ms_per_token": b1 * 1e3,
         "batch1_step_ms_by_op": {k.removesuffix("_s"): v * 1e3 for k, v in bd1.items()},  # and its gpu, host
         "decode": decode,
         "prefill": {"prompt_len": prompt_len,
-                    "ttft_ms": (prefill_seconds(a, c, tp, wb, prompt_len, max_batched_tokens) + HOST.first_token_s)
+                    "ttft_ms": (prefill_seconds(a, c, lay, wb, prompt_len, max_batched_tokens) + HOST.first_token_s)
                     * 1e3,
-                    "tokens_per_s": prefill_tokens_per_s(a, c, tp, wb, prompt_len, max_batched_tokens)},
+                    "tokens_per_s": prefill_tokens_per_s(a, c, lay, wb, prompt_len, max_batched_tokens)},
     }
     if workload is not None:
         prompts, outputs = workload.lengths()
@@ -548,9 +650,10 @@ def predict(a: ModelArgs, c, tp: int, wb: float, kv_tokens: int, *, context_len:
         if longest > kv_tokens:  # the engine refuses such a request
             off["reason"] = f"a request of {longest:,} tokens does not fit the KV cache of {kv_tokens:,} tokens"
         else:
-            mine = run_requests(a, c, tp, wb, prompts[::replicas], outputs[::replicas], max_num_seqs,
+            mine = run_requests(a, c, lay, wb, prompts[::groups], outputs[::groups], max_num_seqs,
                                 max_batched_tokens, kv_tokens)
-            off.update(per_model_copy=mine, output_tokens_per_s=mine["output_tokens_per_s"] * replicas)
+            # per_model_copy: one request group's run (under dp-attention one rank's share of a copy)
+            off.update(per_model_copy=mine, output_tokens_per_s=mine["output_tokens_per_s"] * groups)
     return out
 
 

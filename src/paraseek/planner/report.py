@@ -25,6 +25,23 @@ def train_command(model: str, c: Cluster, plan: Plan, seq_len: int, global_batch
     return shlex.join(argv)
 
 
+def serve_command(model: str, c: Cluster, r: InferPlan, seq_len: int, weight_dtype: str, kv_cache_dtype: str,
+                  max_num_seqs: int, max_batched_tokens: int) -> str:
+    """The `paraseek serve` command line that runs the layout of `r` with the engine settings it was priced at: one
+    server per node (serve launches its processes on one machine), its GPUs in model copies of the layout."""
+    from paraseek.planner.infer import MAX_BATCHED_TOKENS, MAX_NUM_SEQS
+
+    argv = ["paraseek", "serve", model, *r.layout.flags()]
+    copies = min(c.n_gpus, c.gpus_per_node) // r.layout.ranks
+    argv += ["--dp", str(copies)] if copies > 1 else []
+    argv += {"fp8": ["--quantization", "fp8"], "fp16": ["--dtype", "float16"]}.get(weight_dtype, [])
+    argv += ["--kv-cache-dtype", "fp8"] if kv_cache_dtype == "fp8" else []
+    argv += ["--max-model-len", str(seq_len)]
+    argv += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs != MAX_NUM_SEQS else []  # serve's defaults
+    argv += ["--max-batched-tokens", str(max_batched_tokens)] if max_batched_tokens != MAX_BATCHED_TOKENS else []
+    return shlex.join(argv) + (f"  # on each of the {c.nodes} nodes" if c.nodes > 1 else "")
+
+
 def _gib(x: float) -> float:
     return round(x / GiB, 3)
 
@@ -194,9 +211,15 @@ def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan],
     fits = [r for r in rows if not r.reason]
     fits.sort(key=lambda r: -r.decode_tokens_per_s_per_gpu)
 
+    def layout(r: InferPlan) -> dict[str, Any]:
+        lay = r.layout
+        return {"layout": lay.name, "tp": lay.tp, "ep": lay.ep, "dp_attention": lay.dp_attention,
+                "gpus_per_model_copy": lay.ranks, "command": r.command}
+
     def row(r: InferPlan) -> dict[str, Any]:
-        d = {"tp": r.tp, "replicas": r.replicas, "weights_gib_per_gpu": round(r.weights_gib, 3),
+        d = {**layout(r), "replicas": r.replicas, "weights_gib_per_gpu": round(r.weights_gib, 3),
              "kv_cache_bytes_per_token": r.kv_bytes_per_token, "kv_cache_free_gib": round(r.free_gib, 3),
+             "kv_cache_tokens_per_model_copy": r.kv_tokens,
              "max_batch_at_seq_len": r.max_batch, "max_context_at_batch_1": r.max_context, "batch": r.batch,
              "decode_tokens_per_s_per_gpu": round(r.decode_tokens_per_s_per_gpu, 1),
              "prefill_tokens_per_s_per_gpu": round(r.prefill_tokens_per_s_per_gpu, 1)}
@@ -205,7 +228,7 @@ def infer_json(model: str, c: Cluster, seq_len: int, rows: list[InferPlan],
         return d
 
     def rejected(r: InferPlan) -> dict[str, Any]:
-        d = {"tp": r.tp, "max_batch_at_seq_len": r.max_batch, "batch": r.batch, "reason": r.reason}
+        d = {**layout(r), "max_batch_at_seq_len": r.max_batch, "batch": r.batch, "reason": r.reason}
         if r.speed is not None:
             d["speed"] = _sig(r.speed)
         return d
@@ -222,24 +245,28 @@ def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max
               + (" (`paraseek serve --dtype float16`)" if weight_dtype == "fp16" else ""))
     for note in c.notes:
         con.print(f"note: {note}", markup=False, highlight=False)
-    t = _table(f"per TP degree (one model copy per tp GPUs); batch x context {seq_len}",
-               ("tp", "weights GiB", "KV KiB/tok", "max batch", "max context", "batch", "decode tok/s/GPU",
-                "prefill tok/s/GPU"))
-    for r in rows:
-        if r.reason:
-            continue
+    t = _table(f"per layout (a model copy on max(tp, ep) GPUs: its weights per GPU, its KV cache tokens and "
+               f"batches at context {seq_len}, tokens/s per GPU)",
+               ("layout", "GiB/GPU", "KV KiB/tok", "KV tokens", "max batch", "max ctx", "batch", "decode",
+                "prefill"))
+    fits = [r for r in rows if not r.reason]
+    for r in fits:
         ctx = f"{min(r.max_context, max_seq_len):,}" + ("*" if r.max_context > max_seq_len else "")
-        t.add_row(str(r.tp), f"{r.weights_gib:.1f}", f"{r.kv_bytes_per_token / 1024:.1f}", f"{r.max_batch:,}", ctx,
-                  f"{r.batch:,}", f"{r.decode_tokens_per_s_per_gpu:,.0f}", f"{r.prefill_tokens_per_s_per_gpu:,.0f}")
-    if any(not r.reason for r in rows):
+        t.add_row(r.layout.name, f"{r.weights_gib:.1f}", f"{r.kv_bytes_per_token / 1024:.1f}", f"{r.kv_tokens:,}",
+                  f"{r.max_batch:,}", ctx, f"{r.batch:,}", f"{r.decode_tokens_per_s_per_gpu:,.0f}",
+                  f"{r.prefill_tokens_per_s_per_gpu:,.0f}")
+    if fits:
         con.print(t)
-        if any(not r.reason and r.max_context > max_seq_len for r in rows):
+        if any(r.max_context > max_seq_len for r in fits):
             con.print("*: the model's max_position_embeddings (more would fit)", highlight=False)
+        best = max(fits, key=lambda r: r.decode_tokens_per_s_per_gpu)
+        con.print(f"run it ({best.layout.name}, the most decode tokens/s per GPU): {best.command}", markup=False,
+                  highlight=False)
     else:
-        con.print("[bold red]no tp degree fits[/bold red] (below)", highlight=False)
+        con.print("[bold red]no layout fits[/bold red] (below)", highlight=False)
     for r in rows:
         if r.reason:
-            con.print(f"  tp={r.tp}: {r.reason}", markup=False, highlight=False)
+            con.print(f"  {r.layout.name}: {r.reason}", markup=False, highlight=False)
     speeds = [r for r in rows if r.speed is not None]
     if not speeds:
         return
@@ -251,7 +278,7 @@ def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max
         steps = ", ".join(f"{d['batch']}: {d['ms_per_step']:.2f} ms = {d['tokens_per_s']:,.0f} tok/s"
                           + ("" if d["fits"] else " (does not fit)") for d in s["decode"])
         pre = s["prefill"]
-        lines = [f"tp={r.tp}: batch 1 {s['batch1_ms_per_token']:.2f} ms/token; decode at context "
+        lines = [f"{r.layout.name}: batch 1 {s['batch1_ms_per_token']:.2f} ms/token; decode at context "
                  f"{s['decode'][0]['context']:,} by batch: {steps}",
                  f"  prefill of {pre['prompt_len']:,}-token prompts: TTFT {pre['ttft_ms']:.1f} ms alone, "
                  f"{pre['tokens_per_s']:,.0f} prompt tok/s in full steps"]
@@ -266,6 +293,7 @@ def print_infer(model: str, c: Cluster, seq_len: int, rows: list[InferPlan], max
                 lines.append(head + f"{o['output_tokens_per_s']:,.0f} output tok/s ({m['wall_s']:.1f} s, "
                              f"{m['steps']:,} steps, {m['preemptions']} preemptions"
                              + (f", {r.replicas} model copies" if r.replicas > 1 else "") + ")")
+        lines.append(f"  serve: {r.command}")
         for line in lines:
             con.print(line, markup=False, highlight=False)
 
