@@ -122,6 +122,86 @@ def test_ep2_and_tp2_ep2_equal_one_process_each_rank_holding_its_experts(v3_fold
                 assert all(s is None for s in held["w13_scale"])
 
 
+# dp-attention: prompt i runs on rank SPLIT[i] with MAX_NEW[i] new tokens -- four requests on rank 0, two short ones
+# on rank 1, which then runs padding steps while rank 0 still prefills and decodes.
+SPLIT = [0, 0, 0, 1, 0, 1]
+MAX_NEW = [8, 8, 8, 3, 8, 2]
+
+
+def _dp_params():
+    from paraseek.infer.sampling import SamplingParams
+
+    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=5) for n in MAX_NEW]
+
+
+def _watch_blocks(engine) -> dict:
+    """After every step: the blocks the pool has handed out, and the distinct blocks of this engine's running
+    requests (they must be equal: nothing else is cached), and the most blocks used at once."""
+    seen = {"steps": [], "peak": 0}
+    plain_step = engine.step
+
+    def step():
+        out = plain_step()
+        mine = {b for r in engine.scheduler.running for b in r.blocks}
+        seen["steps"].append((engine.pool.num_used, len(mine)))
+        seen["peak"] = max(seen["peak"], engine.pool.num_used)
+        return out
+
+    engine.step = step
+    return seen
+
+
+def _run_dp_attention(rank: int, world: int, folder: str) -> dict:
+    """This rank's engine over its own prompts (SPLIT), its MoE layers shared with the other rank's."""
+    import torch.distributed as dist
+
+    model = _load(folder, dist.group.WORLD, ep=2, tp=1, dp_attention=True)
+    from paraseek.infer.config import EngineConfig
+    from paraseek.infer.engine import Engine
+
+    cfg = EngineConfig(block_size=8, max_batched_tokens=32, max_num_seqs=8, max_model_len=96, num_kv_blocks=96)
+    engine = Engine(model, cfg, dp_group=dist.group.WORLD, log=lambda *a, **k: None)
+    agreed = []  # (this rank's tokens, the step's agreed rows) of every step
+    plain_agree = engine._agree
+
+    def agree(tokens, eager):
+        rows, any_eager = plain_agree(tokens, eager)
+        agreed.append((tokens, rows))
+        return rows, any_eager
+
+    engine._agree = agree
+    blocks = _watch_blocks(engine)
+    mine = [i for i, r in enumerate(SPLIT) if r == rank]
+    params = _dp_params()
+    reqs = engine.generate([prompts(6)[i] for i in mine], [params[i] for i in mine], ids=[f"p{i}" for i in mine])
+    return {"index": mine, "outputs": [{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs],
+            "agreed": agreed, "blocks": blocks, "report": engine.report.line()}
+
+
+def test_ep2_dp_attention_equals_one_process_each_rank_caching_its_own_requests(v3_folder, tmp_path):
+    """`--ep 2 --dp-attention` at the engine: the two ranks run different numbers of requests (4 and 2, rank 1 idle
+    for most steps) and give one process's greedy tokens and log-probabilities; each rank's pool holds exactly its
+    running requests' blocks, fewer than one engine caching every request."""
+    ranks = spawn(_run_dp_attention, 2, tmp_path, folder=str(v3_folder))
+    one = _engine(_load(str(v3_folder)))
+    one_blocks = _watch_blocks(one)
+    reqs = one.generate(prompts(6), _dp_params())
+    want = [{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs]
+
+    for r, got in enumerate(ranks):
+        assert got["index"] == [i for i, x in enumerate(SPLIT) if x == r]
+        _assert_same([want[i] for i in got["index"]], got["outputs"])
+        assert all(used == mine for used, mine in got["blocks"]["steps"])  # only its own requests' blocks
+        assert 0 < got["blocks"]["peak"] < one_blocks["peak"]
+        assert "on each of the 2 dp-attention ranks" in got["report"]
+    # Both ranks took part in the same steps; rank 1 ran padding steps (no tokens of its own) while rank 0 worked,
+    # its MoE input padded to rank 0's tokens.
+    assert len(ranks[0]["agreed"]) == len(ranks[1]["agreed"])
+    assert [rows for _, rows in ranks[0]["agreed"]] == [rows for _, rows in ranks[1]["agreed"]]
+    assert any(tokens == 0 and rows > 0 for tokens, rows in ranks[1]["agreed"])
+    assert all(rows == max(a, b) for (a, rows), (b, _) in zip(ranks[0]["agreed"], ranks[1]["agreed"]))
+
+
 def test_generate_cli_ep2_equals_one_process(v3_folder, tmp_path):
     """`paraseek generate --ep 2` as a user runs it (two processes through torch's launcher, the replica's group of
     max(tp, ep) ranks) gives one process's greedy tokens and log-probabilities."""
