@@ -202,30 +202,52 @@ def test_ep2_dp_attention_equals_one_process_each_rank_caching_its_own_requests(
     assert all(rows == max(a, b) for (a, rows), (b, _) in zip(ranks[0]["agreed"], ranks[1]["agreed"]))
 
 
-def test_generate_cli_ep2_equals_one_process(v3_folder, tmp_path):
-    """`paraseek generate --ep 2` as a user runs it (two processes through torch's launcher, the replica's group of
-    max(tp, ep) ranks) gives one process's greedy tokens and log-probabilities."""
+def _generate_cli(folder: Path, tmp_path: Path, n_prompts: int, *flags: str):
+    """`paraseek generate` as a user runs it (through torch's launcher when it needs several processes): the JSON
+    rows as _assert_same reads them, and stderr."""
     import json
     import os
     import subprocess
     import sys
 
     file = tmp_path / "prompts.jsonl"
-    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts(4)))
-    r = subprocess.run([sys.executable, "-m", "paraseek", "generate", str(v3_folder), "--device", "cpu", "--prompts",
+    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts(n_prompts)))
+    r = subprocess.run([sys.executable, "-m", "paraseek", "generate", str(folder), "--device", "cpu", "--prompts",
                         str(file), "--json", "--quiet", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos",
-                        "--logprobs", "5", "--block-size", "8", "--max-batched-tokens", "32", "--ep", "2"],
+                        "--logprobs", "5", "--block-size", "8", "--max-batched-tokens", "32", *flags],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    _assert_same(_generate(_engine(_load(str(v3_folder)))),
-                 [{"tokens": row["token_ids"], "top": row["top_logprobs"]} for row in rows])
+    return [{"tokens": row["token_ids"], "top": row["top_logprobs"]} for row in rows], r.stderr
+
+
+def test_generate_cli_ep2_equals_one_process(v3_folder, tmp_path):
+    """`paraseek generate --ep 2` (two processes, the replica's group of max(tp, ep) ranks) gives one process's
+    greedy tokens and log-probabilities."""
+    got, _ = _generate_cli(v3_folder, tmp_path, 4, "--ep", "2")
+    _assert_same(_generate(_engine(_load(str(v3_folder)))), got)
+
+
+def test_generate_cli_ep2_dp_attention_equals_one_process(v3_folder, tmp_path):
+    """`paraseek generate --ep 2 --dp-attention`: five prompts spread over the two ranks (3 and 2), each rank its
+    own engine and cache, give one process's greedy tokens and log-probabilities, in the prompts' order; the log
+    line says each rank's KV capacity."""
+    from paraseek.infer.sampling import SamplingParams
+
+    got, err = _generate_cli(v3_folder, tmp_path, 5, "--ep", "2", "--dp-attention", "--num-kv-blocks", "40")
+    reqs = _engine(_load(str(v3_folder))).generate(
+        prompts(5), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5))
+    _assert_same([{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs], got)
+    assert "tp 1 ep 2 dp-attention" in err
+    assert "KV cache: 39 blocks = 312 tokens" in err and "on each of the 2 dp-attention ranks" in err, err
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--ep", "3"], "--ep 3 does not divide the model's 8 routed experts"),
     (["--ep", "2", "--tp", "4"], "--tp 4 with --ep 2"),
-    (["--ep", "2", "--dp-attention"], "--dp-attention"),
+    (["--dp-attention"], "--dp-attention needs --ep N with N > 1"),
+    (["--ep", "2", "--tp", "2", "--dp-attention"], "--dp-attention with --tp 2"),
+    (["--ep", "2", "--dp-attention", "--speculative", "ngram"], "--dp-attention with --speculative"),
 ])
 def test_ep_refusals_are_one_line_exit_2(flags, message, v3_folder, capsys):
     """Refused by `paraseek generate` itself (in this process), before any weight is read or worker started."""

@@ -45,8 +45,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
                    "split by expert index, each GPU holding E/N of them whole (default 1). Alone: attention and "
                    "the shared experts replicated on each GPU; with --tp N (the same N): attention by heads, "
                    "the shared experts by width")
-    g.add_argument("--dp-attention", action="store_true", help="with --ep: each GPU runs attention for its own "
-                   "requests (not implemented; refused)")
+    g.add_argument("--dp-attention", action="store_true", help="with --ep N: each of the N GPUs runs attention, "
+                   "the dense layers, the shared experts and sampling for its own requests, with its own KV cache "
+                   "(N x the requests of replicated attention); the MoE layers gather every GPU's tokens, and the "
+                   "GPUs step together. Pays where the replicated latent cache limits the batch (large batches of "
+                   "DeepSeek-V3); attention at tp 1, so not with --tp (docs/inference.md)")
     g.add_argument("--dp", type=int, default=1, help="model replicas (data parallel), each on max(--tp, --ep) GPUs "
                    "(default 1)")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed and the default sampling seed base")
@@ -340,8 +343,14 @@ def check_parallel(ns: argparse.Namespace, args, device: str) -> None:
     check_ep(args, ns.tp, ep)
     check_tp(args, ns.tp, ep)
     if getattr(ns, "dp_attention", False):
-        raise UserError("--dp-attention is not implemented: with --ep every GPU runs attention for every request "
-                        "(replicated); leave it out")
+        if ep < 2:
+            raise UserError("--dp-attention needs --ep N with N > 1: it spreads the requests over the expert-parallel "
+                            "GPUs, each running attention for its own")
+        if ns.tp > 1:
+            raise UserError(f"--dp-attention with --tp {ns.tp}: attention runs at tp 1 under --dp-attention (each GPU "
+                            "its own requests); leave out --tp")
+        if getattr(ns, "speculative", None):
+            raise UserError("--dp-attention with --speculative is not supported: leave one of them out")
     if ep > 1 and lora_enabled(ns):
         raise UserError(f"--ep {ep} with LoRA adapters: adapters are served with --tp only; leave out --ep")
     if device == "cuda":
@@ -481,24 +490,28 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     t0 = time.perf_counter()
     check_speculative(ns, src)
     mtp = getattr(ns, "speculative", None) == "mtp"
+    dp_attention = getattr(ns, "dp_attention", False)
     if src.kind == "hf":  # each rank reads its share of the safetensors, slice by slice
         model = InferenceModel.from_folder(src.path, src.args, pl.tp_group, dtype=dtype, device=pl.device,
-                                           block=block, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp)
+                                           block=block, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp,
+                                           dp_attention=dp_attention)
     else:  # the whole training model, then laid out for inference with this rank's tp share (the rest is freed)
         model = InferenceModel.from_training(load_model(src, dtype=dtype, device=pl.device, seed=ns.seed),
-                                             pl.tp_group, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp)
+                                             pl.tp_group, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp,
+                                             dp_attention=dp_attention)
     if pl.device.startswith("cuda"):
         torch.cuda.empty_cache()
     load_s = time.perf_counter() - t0
     log(f"weights: {model.weights}" + (f"; {why}" if why else ""))
     tokenizer = load_tokenizer(src)
-    engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
-                    log=log, lora_modules=lora_modules(ns))
+    # dp-attention: every rank drives its own requests (nothing broadcast); its gloo group agrees on each step
+    groups = dict(dp_group=pl.meta_group) if dp_attention else dict(tp_group=pl.tp_group, meta_group=pl.meta_group)
+    engine = Engine(model, engine_config(ns), tokenizer=tokenizer, log=log, lora_modules=lora_modules(ns), **groups)
     engine.report.extra["load_s"] = load_s
     # `paraseek plan --mode infer`'s prediction of the KV pool, beside its measured size: given by paraseek/cli.py
     # (planner/infer.py: planned_kv_tokens), since infer/ does not import the planner
     plan_kv_tokens = getattr(ns, "plan_kv_tokens", None)
-    if pl.device.startswith("cuda") and plan_kv_tokens is not None:
+    if pl.device.startswith("cuda") and plan_kv_tokens is not None and not dp_attention:  # it prices tp layouts
         engine.report.extra["planned_tokens"] = plan_kv_tokens(engine)
     return engine
 
@@ -688,14 +701,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     pl = place(ns, device)
     say = print if pl.rank == 0 else (lambda *a, **k: None)
     say(f"generate: {src.spec} ({src.kind}), tokenizer: {src.tokenizer_why}; sampling: {why}; "
-        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp}{f' ep {ns.ep}' if ns.ep > 1 else ''} x dp {ns.dp} on {device}\n{batch_line}",
+        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp}{f' ep {ns.ep}' if ns.ep > 1 else ''}"
+        f"{' dp-attention' if ns.dp_attention else ''} x dp {ns.dp} on {device}\n{batch_line}",
         file=sys.stderr, flush=True)
     engine = build_engine(ns, src, pl, log=lambda *a, **k: say(*a, file=sys.stderr, **k))
     if pl.rank == 0:
         print(engine.report.line(), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    if pl.driver:
-        mine = [p for p in prompts if p.index % ns.dp == pl.replica]
+    if pl.driver or ns.dp_attention:  # dp-attention: every rank drives its own share of the prompts
+        drivers, me = (pl.world, pl.rank) if ns.dp_attention else (ns.dp, pl.replica)
+        mine = [p for p in prompts if p.index % drivers == me]
         reqs = engine.generate([p.token_ids for p in mine], [params[p.index] for p in mine],
                                progress=pl.rank == 0 and not ns.quiet, ids=[p.id + f"#{p.index}" for p in mine],
                                loras=[p.lora for p in mine])

@@ -62,8 +62,8 @@ class CacheReport:
                     f"the same memory)")
         if "dp_attention" in self.extra:  # each rank caches its own requests only (infer/ep.py)
             n = self.extra["dp_attention"]
-            out += (f"; on each of the {n} dp-attention ranks, for its own requests ({n * self.tokens:,} tokens in "
-                    f"all)")
+            out += (f"; that on each of the {n} dp-attention ranks, for its own requests only "
+                    f"({n * self.tokens:,} tokens in all)")
         planned, measured = self.extra.get("planned_tokens"), self.extra.get("memory_tokens")
         if planned and measured:
             out += f"; plan --mode infer: {planned:,} tokens ({(planned - measured) / measured:+.1%})"

@@ -385,8 +385,8 @@ class InferenceModel:
                       tp: int | None = None, dp_attention: bool = False) -> InferenceModel:
         """Lay out a whole training model's weights for inference, taking this rank's tp share (`fp8`: every
         projection and expert quantized to FP8 128 x 128 blocks; `mtp`: its first MTP module too, as the
-        speculative drafter; `ep`, `tp`, `dp_attention`: as `build`). The training model is emptied layer by layer as it goes
-        (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
+        speculative drafter; `ep`, `tp`, `dp_attention`: as `build`). The training model is emptied layer by layer
+        as it goes (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
         from paraseek.infer.weights import ModelWeights
 
         w = model.embed_tokens.weight
