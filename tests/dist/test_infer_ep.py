@@ -122,30 +122,132 @@ def test_ep2_and_tp2_ep2_equal_one_process_each_rank_holding_its_experts(v3_fold
                 assert all(s is None for s in held["w13_scale"])
 
 
-def test_generate_cli_ep2_equals_one_process(v3_folder, tmp_path):
-    """`paraseek generate --ep 2` as a user runs it (two processes through torch's launcher, the replica's group of
-    max(tp, ep) ranks) gives one process's greedy tokens and log-probabilities."""
+# dp-attention: prompt i runs on rank SPLIT[i] with MAX_NEW[i] new tokens -- four requests on rank 0, two short ones
+# on rank 1, which then runs padding steps while rank 0 still prefills and decodes.
+SPLIT = [0, 0, 0, 1, 0, 1]
+MAX_NEW = [8, 8, 8, 3, 8, 2]
+
+
+def _dp_params():
+    from paraseek.infer.sampling import SamplingParams
+
+    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=5) for n in MAX_NEW]
+
+
+def _watch_blocks(engine) -> dict:
+    """After every step: the blocks the pool has handed out, and the distinct blocks of this engine's running
+    requests (they must be equal: nothing else is cached), and the most blocks used at once."""
+    seen = {"steps": [], "peak": 0}
+    plain_step = engine.step
+
+    def step():
+        out = plain_step()
+        mine = {b for r in engine.scheduler.running for b in r.blocks}
+        seen["steps"].append((engine.pool.num_used, len(mine)))
+        seen["peak"] = max(seen["peak"], engine.pool.num_used)
+        return out
+
+    engine.step = step
+    return seen
+
+
+def _run_dp_attention(rank: int, world: int, folder: str) -> dict:
+    """This rank's engine over its own prompts (SPLIT), its MoE layers shared with the other rank's."""
+    import torch.distributed as dist
+
+    model = _load(folder, dist.group.WORLD, ep=2, tp=1, dp_attention=True)
+    from paraseek.infer.config import EngineConfig
+    from paraseek.infer.engine import Engine
+
+    cfg = EngineConfig(block_size=8, max_batched_tokens=32, max_num_seqs=8, max_model_len=96, num_kv_blocks=96)
+    engine = Engine(model, cfg, dp_group=dist.group.WORLD, log=lambda *a, **k: None)
+    agreed = []  # (this rank's tokens, the step's agreed rows) of every step
+    plain_agree = engine._agree
+
+    def agree(tokens, eager):
+        rows, any_eager = plain_agree(tokens, eager)
+        agreed.append((tokens, rows))
+        return rows, any_eager
+
+    engine._agree = agree
+    blocks = _watch_blocks(engine)
+    mine = [i for i, r in enumerate(SPLIT) if r == rank]
+    params = _dp_params()
+    reqs = engine.generate([prompts(6)[i] for i in mine], [params[i] for i in mine], ids=[f"p{i}" for i in mine])
+    return {"index": mine, "outputs": [{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs],
+            "agreed": agreed, "blocks": blocks, "report": engine.report.line()}
+
+
+def test_ep2_dp_attention_equals_one_process_each_rank_caching_its_own_requests(v3_folder, tmp_path):
+    """`--ep 2 --dp-attention` at the engine: the two ranks run different numbers of requests (4 and 2, rank 1 idle
+    for most steps) and give one process's greedy tokens and log-probabilities; each rank's pool holds exactly its
+    running requests' blocks, fewer than one engine caching every request."""
+    ranks = spawn(_run_dp_attention, 2, tmp_path, folder=str(v3_folder))
+    one = _engine(_load(str(v3_folder)))
+    one_blocks = _watch_blocks(one)
+    reqs = one.generate(prompts(6), _dp_params())
+    want = [{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs]
+
+    for r, got in enumerate(ranks):
+        assert got["index"] == [i for i, x in enumerate(SPLIT) if x == r]
+        _assert_same([want[i] for i in got["index"]], got["outputs"])
+        assert all(used == mine for used, mine in got["blocks"]["steps"])  # only its own requests' blocks
+        assert 0 < got["blocks"]["peak"] < one_blocks["peak"]
+        assert "on each of the 2 dp-attention ranks" in got["report"]
+    # Both ranks took part in the same steps; rank 1 ran padding steps (no tokens of its own) while rank 0 worked,
+    # its MoE input padded to rank 0's tokens.
+    assert len(ranks[0]["agreed"]) == len(ranks[1]["agreed"])
+    assert [rows for _, rows in ranks[0]["agreed"]] == [rows for _, rows in ranks[1]["agreed"]]
+    assert any(tokens == 0 and rows > 0 for tokens, rows in ranks[1]["agreed"])
+    assert all(rows == max(a, b) for (a, rows), (b, _) in zip(ranks[0]["agreed"], ranks[1]["agreed"]))
+
+
+def _generate_cli(folder: Path, tmp_path: Path, n_prompts: int, *flags: str):
+    """`paraseek generate` as a user runs it (through torch's launcher when it needs several processes): the JSON
+    rows as _assert_same reads them, and stderr."""
     import json
     import os
     import subprocess
     import sys
 
     file = tmp_path / "prompts.jsonl"
-    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts(4)))
-    r = subprocess.run([sys.executable, "-m", "paraseek", "generate", str(v3_folder), "--device", "cpu", "--prompts",
+    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts(n_prompts)))
+    r = subprocess.run([sys.executable, "-m", "paraseek", "generate", str(folder), "--device", "cpu", "--prompts",
                         str(file), "--json", "--quiet", "--max-new-tokens", "8", "--temperature", "0", "--ignore-eos",
-                        "--logprobs", "5", "--block-size", "8", "--max-batched-tokens", "32", "--ep", "2"],
+                        "--logprobs", "5", "--block-size", "8", "--max-batched-tokens", "32", *flags],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    _assert_same(_generate(_engine(_load(str(v3_folder)))),
-                 [{"tokens": row["token_ids"], "top": row["top_logprobs"]} for row in rows])
+    return [{"tokens": row["token_ids"], "top": row["top_logprobs"]} for row in rows], r.stderr
+
+
+def test_generate_cli_ep2_equals_one_process(v3_folder, tmp_path):
+    """`paraseek generate --ep 2` (two processes, the replica's group of max(tp, ep) ranks) gives one process's
+    greedy tokens and log-probabilities."""
+    got, _ = _generate_cli(v3_folder, tmp_path, 4, "--ep", "2")
+    _assert_same(_generate(_engine(_load(str(v3_folder)))), got)
+
+
+def test_generate_cli_ep2_dp_attention_equals_one_process(v3_folder, tmp_path):
+    """`paraseek generate --ep 2 --dp-attention`: five prompts spread over the two ranks (3 and 2), each rank its
+    own engine and cache, give one process's greedy tokens and log-probabilities, in the prompts' order; the log
+    line says each rank's KV capacity."""
+    from paraseek.infer.sampling import SamplingParams
+
+    got, err = _generate_cli(v3_folder, tmp_path, 5, "--ep", "2", "--dp-attention", "--num-kv-blocks", "40")
+    reqs = _engine(_load(str(v3_folder))).generate(
+        prompts(5), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5))
+    _assert_same([{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs], got)
+    assert "tp 1 ep 2 dp-attention" in err
+    assert "KV cache: 39 blocks = 312 tokens" in err and "on each of the 2 dp-attention ranks" in err, err
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--ep", "3"], "--ep 3 does not divide the model's 8 routed experts"),
     (["--ep", "2", "--tp", "4"], "--tp 4 with --ep 2"),
-    (["--ep", "2", "--dp-attention"], "--dp-attention"),
+    (["--dp-attention"], "--dp-attention needs --ep N with N > 1"),
+    (["--ep", "2", "--tp", "2", "--dp-attention"], "--dp-attention with --tp 2"),
+    (["--ep", "2", "--dp-attention", "--speculative", "ngram"], "--dp-attention with --speculative"),
 ])
 def test_ep_refusals_are_one_line_exit_2(flags, message, v3_folder, capsys):
     """Refused by `paraseek generate` itself (in this process), before any weight is read or worker started."""

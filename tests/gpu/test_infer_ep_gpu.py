@@ -2,7 +2,9 @@
 under --ep 2 and --tp 2 --ep 2 against one GPU, in bf16 (fused-MoE kernels, decode steps captured in CUDA graphs
 with the all-reduce inside) and with the FP8 folder's blocks kept (FP8 fused-MoE kernels). The ranks' partial sums
 add in another order than one GPU's slot sums, so tokens are compared up to the first step one GPU chose by a
-small margin, log-probabilities within bf16's (FP8's) rounding.
+small margin, log-probabilities within bf16's (FP8's) rounding. `--ep 2 --dp-attention` too: each rank its own
+prompts (4 and 2, the second rank idle for most steps), the MoE layers' all-gather and reduce-scatter captured in
+the decode graphs, a padding graph replayed by the idle rank.
 
 On the GPU machine: `PYTHONPATH=src python3 -m pytest -q -m gpu tests/gpu/test_infer_ep_gpu.py`."""
 
@@ -88,3 +90,35 @@ def test_ep2_on_two_gpus_matches_one_gpu(fmt, layout, folders, tmp_path):
     ranks = spawn(_replica, 2, tmp_path, folder=str(folders[fmt]), fp8=fp8, layout=layout, device="cuda")
     assert all(r["graphs"] for r in ranks)  # decode ran through CUDA graphs with the all-reduce captured
     _same_until_unclear(one, ranks[0]["outputs"], 0.05, 5e-2)
+
+
+def _dp_attention_rank(rank: int, world: int, folder: str, device: str) -> dict:
+    """This rank's engine over its own prompts (rank 0: four of 20 tokens, rank 1: two of 4), under dp-attention."""
+    import torch.distributed as dist
+
+    from paraseek.infer.engine import Engine, EngineConfig
+    from paraseek.infer.model import InferenceModel
+    from paraseek.infer.sampling import SamplingParams
+    from paraseek.models import ModelArgs
+
+    args = ModelArgs.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
+    model = InferenceModel.from_folder(Path(folder), args, dist.group.WORLD, dtype=torch.bfloat16,
+                                       device=f"cuda:{rank}", ep=2, tp=1, dp_attention=True)
+    engine = Engine(model, EngineConfig(block_size=16, num_kv_blocks=256, max_batched_tokens=128),
+                    dp_group=dist.new_group(backend="gloo"), log=lambda *_: None)
+    mine = [0, 1, 2, 4] if rank == 0 else [3, 5]
+    n = 20 if rank == 0 else 4
+    reqs = engine.generate([prompts()[i] for i in mine],
+                           SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=5))
+    return {"index": mine, "graphs": len(engine.runner.graphs),
+            "outputs": [{"tokens": r.output_ids, "top": r.top_logprobs} for r in reqs]}
+
+
+def test_ep2_dp_attention_on_two_gpus_matches_one_gpu(folders, tmp_path):
+    one = _outputs(_engine(str(folders["bf16"]), "cuda", torch.bfloat16))
+    ranks = spawn(_dp_attention_rank, 2, tmp_path, folder=str(folders["bf16"]), device="cuda")
+    for r in ranks:
+        assert r["graphs"]  # the gather and the reduce-scatter captured in the decode graphs
+        n = len(r["outputs"][0]["tokens"])
+        cut = [{"tokens": one[i]["tokens"][:n], "top": one[i]["top"][:n]} for i in r["index"]]
+        _same_until_unclear(cut, r["outputs"], 0.05, 5e-2)

@@ -46,7 +46,6 @@ def make_model_folder(root: Path, max_len: int | None = None) -> Path:
     vocabulary's tokens)."""
     from paraseek.models import ModelArgs, build_model, preset_config, save_pretrained
 
-    tok = _tokenizer_helpers().make_folder(root / "tokenizer", "deepseek_r1_distill_qwen")
     cfg = preset_config("tiny-dense")
     cfg["vocab_size"] = 2112
     if max_len is not None:
@@ -54,10 +53,16 @@ def make_model_folder(root: Path, max_len: int | None = None) -> Path:
     torch.manual_seed(0)
     model = root / "tiny-r1"
     save_pretrained(build_model(ModelArgs.from_hf_config(cfg), "cpu", torch.float32), model)
-    # config.json stays the model's; the tokenizer folder's config.json is only a model_type hint for transformers
+    add_tokenizer(model, root)
+    return model
+
+
+def add_tokenizer(model: Path, root: Path) -> None:
+    """DeepSeek-R1-Distill-Qwen's tokenizer files (2,112 ids with the added tokens) into a model folder, made under
+    `root`. config.json stays the model's; the tokenizer folder's is only a model_type hint for transformers."""
+    tok = _tokenizer_helpers().make_folder(root / "tokenizer", "deepseek_r1_distill_qwen")
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tok / f, model / f)
-    return model
 
 
 # ---- servers ---------------------------------------------------------------------------------------------------------

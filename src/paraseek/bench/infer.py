@@ -345,9 +345,9 @@ def cmd_bench_infer(ns: argparse.Namespace) -> int:
     if ns.prompt_text and not Path(ns.prompt_text).is_file():
         raise UserError(f"--prompt-text {ns.prompt_text}: no such file")
     check_plot(ns.plot)
-    if ns.tp * ns.dp * ns.ep > 1:
-        raise UserError("bench-infer measures one replica on one process for now; --tp/--ep/--dp are measured "
-                        "with `paraseek generate --tp N` (or --ep N) timings")
+    if ns.tp * ns.dp * ns.ep > 1 or ns.dp_attention:
+        raise UserError("bench-infer measures one replica on one process for now; --tp/--ep/--dp/--dp-attention are "
+                        "measured with `paraseek generate --tp N` (or --ep N) timings")
     if ns.reps < 1 or ns.num_requests < 1:
         raise UserError("--reps and --num-requests must be >= 1")
     if ns.temperature < 0 or not 0 < ns.top_p <= 1:

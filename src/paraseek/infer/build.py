@@ -35,19 +35,23 @@ def build_engine(ns: argparse.Namespace, src, pl: Placement, log=print):
     t0 = time.perf_counter()
     check_speculative(ns, src)
     mtp = getattr(ns, "speculative", None) == "mtp"
+    dp_attention = getattr(ns, "dp_attention", False)
     if src.kind == "hf":  # each rank reads its share of the safetensors, slice by slice
         model = InferenceModel.from_folder(src.path, src.args, pl.tp_group, dtype=dtype, device=pl.device,
-                                           block=block, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp)
+                                           block=block, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp,
+                                           dp_attention=dp_attention)
     else:  # the whole training model, then laid out for inference with this rank's tp share (the rest is freed)
         model = InferenceModel.from_training(load_model(src, dtype=dtype, device=pl.device, seed=ns.seed),
-                                             pl.tp_group, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp)
+                                             pl.tp_group, fp8=fp8, mtp=mtp, ep=getattr(ns, "ep", 1), tp=ns.tp,
+                                             dp_attention=dp_attention)
     if pl.device.startswith("cuda"):
         torch.cuda.empty_cache()
     load_s = time.perf_counter() - t0
     log(f"weights: {model.weights}" + (f"; {why}" if why else ""))
     tokenizer = load_tokenizer(src)
-    engine = Engine(model, engine_config(ns), tokenizer=tokenizer, tp_group=pl.tp_group, meta_group=pl.meta_group,
-                    log=log, lora_modules=lora_modules(ns))
+    # dp-attention: every rank drives its own requests (nothing broadcast); its gloo group agrees on each step
+    groups = dict(dp_group=pl.meta_group) if dp_attention else dict(tp_group=pl.tp_group, meta_group=pl.meta_group)
+    engine = Engine(model, engine_config(ns), tokenizer=tokenizer, log=log, lora_modules=lora_modules(ns), **groups)
     engine.report.extra["load_s"] = load_s
     # `paraseek plan --mode infer`'s prediction of the KV pool, beside its measured size: given by paraseek/cli.py
     # (planner/infer.py: planned_kv_tokens), since infer/ does not import the planner

@@ -168,14 +168,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     pl = place(ns, device)
     say = print if pl.rank == 0 else (lambda *a, **k: None)
     say(f"generate: {src.spec} ({src.kind}), tokenizer: {src.tokenizer_why}; sampling: {why}; "
-        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp}{f' ep {ns.ep}' if ns.ep > 1 else ''} x dp {ns.dp} on {device}\n{batch_line}",
+        f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, tp {ns.tp}{f' ep {ns.ep}' if ns.ep > 1 else ''}"
+        f"{' dp-attention' if ns.dp_attention else ''} x dp {ns.dp} on {device}\n{batch_line}",
         file=sys.stderr, flush=True)
     engine = build_engine(ns, src, pl, log=lambda *a, **k: say(*a, file=sys.stderr, **k))
     if pl.rank == 0:
         print(engine.report.line(), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    if pl.driver:
-        mine = [p for p in prompts if p.index % ns.dp == pl.replica]
+    if pl.driver or ns.dp_attention:  # dp-attention: every rank drives its own share of the prompts
+        drivers, me = (pl.world, pl.rank) if ns.dp_attention else (ns.dp, pl.replica)
+        mine = [p for p in prompts if p.index % drivers == me]
         reqs = engine.generate([p.token_ids for p in mine], [params[p.index] for p in mine],
                                progress=pl.rank == 0 and not ns.quiet, ids=[p.id + f"#{p.index}" for p in mine],
                                loras=[p.lora for p in mine])

@@ -3,6 +3,11 @@
 One `Engine` per model replica, on its first tp rank (the driver): it owns the scheduler and the sampler, builds
 each step's inputs and broadcasts them to the replica's other ranks, which only run the forward (`serve_worker`).
 `generate` is the offline loop; the server (serve/) calls `add_request`/`step`/`abort` from its own loop.
+
+Under dp-attention (`--ep N --dp-attention`, infer/ep.py) every rank of the replica is a driver: its own Engine,
+requests, scheduler and cache, nothing broadcast. Only the MoE layers are shared, so the ranks step together: each
+step begins with one small all-reduce on `dp_group` (`_agree`), and a rank with nothing scheduled still runs a
+padding step while any rank has work.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ class CacheReport:
             out += (f"; fp8 e4m3 + scales: {other / self.bytes_per_token:.2f}x the tokens of "
                     f"{self.extra['model_dtype']} ({other:,} B/token: {self.extra['model_dtype_tokens']:,} tokens in "
                     f"the same memory)")
+        if "dp_attention" in self.extra:  # each rank caches its own requests only (infer/ep.py)
+            n = self.extra["dp_attention"]
+            out += (f"; that on each of the {n} dp-attention ranks, for its own requests only "
+                    f"({n * self.tokens:,} tokens in all)")
         planned, measured = self.extra.get("planned_tokens"), self.extra.get("memory_tokens")
         if planned and measured:
             out += f"; plan --mode infer: {planned:,} tokens ({(planned - measured) / measured:+.1%})"
@@ -105,7 +114,10 @@ class TextStream:
 
 class Engine:
     def __init__(self, model, cfg: EngineConfig, *, tokenizer=None, tp_group=None, meta_group=None,
-                 stop_token_ids: list[int] | None = None, log=print, lora_modules: dict[str, str] | None = None):
+                 stop_token_ids: list[int] | None = None, log=print, lora_modules: dict[str, str] | None = None,
+                 dp_group=None):
+        """`dp_group` (dp-attention, infer/ep.py): the gloo group of the ranks whose MoE layers this engine's
+        steps join, each rank with an Engine of its own (tp_group and meta_group None: nothing is broadcast)."""
         cfg.validate()
         self.cfg, self.tokenizer, self.log = cfg, tokenizer, log
         self.args = model.args
@@ -119,6 +131,16 @@ class Engine:
             model = InferenceModel.from_training(model, tp_group, mtp=mtp)
         elif mtp and model.mtp is None:
             raise UserError(no_mtp_module("this model"))
+        self.dp_group = dp_group
+        # dp-attention: whether any rank had work, or was asked to stop, at the last step's agreement (_agree)
+        self.group_busy, self.group_stop = dp_group is not None, False
+        self.stop_requested = False  # this rank asks the group to stop at the next step (serve's shutdown)
+        if dp_group is not None:
+            if not getattr(model, "dp_attention", False):
+                raise ValueError("an engine with a dp_group needs a model built with dp_attention=True")
+            if cfg.speculative is not None or cfg.max_loras or lora_modules:
+                raise UserError("--dp-attention with speculative decoding or LoRA adapters is not supported: leave "
+                                "out --speculative and the LoRA flags")
         self.runner = ModelRunner(model, self.max_model_len, cfg.block_size)
         self.device = self.runner.device
         self.loras = None  # infer/lora.LoRARegistry: adapters by name, each in a slot of every adapted projection
@@ -230,10 +252,15 @@ class Engine:
             rep.extra["model_dtype_tokens"] = int(pool_bytes // (other * cfg.block_size)) * cfg.block_size
             rep.extra["model_dtype_bytes_per_token"] = other
             rep.extra["model_dtype"] = str(self.runner.dtype).removeprefix("torch.")
-        if self.tp_group is not None and self.tp > 1:
+        # The same count on every rank of a replica: tp's ranks share each block; dp-attention's each hold their own
+        # requests, and one count keeps every rank's capacity (the log line's) the same.
+        group = self.meta_group if self.tp_group is not None and self.tp > 1 else self.dp_group
+        if group is not None:
             n = torch.tensor([rep.num_blocks], dtype=torch.int64)
-            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.meta_group)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group)
             rep.num_blocks = int(n)
+        if self.dp_group is not None:
+            rep.extra["dp_attention"] = dist.get_world_size(self.dp_group)
         return rep
 
     @torch.no_grad()
@@ -384,8 +411,8 @@ class Engine:
         a step is launched before the previous step's tokens are read back, its decode inputs taken from those
         tokens on the device, so the host's scheduling, input building and delivery run while the GPU computes. A
         token is then delivered one step after it was computed, and a request that ends on a stop token has run one
-        extra step whose token is dropped. Anything else (penalties, log-probabilities, min_tokens, tp > 1) reads
-        each step back before the next."""
+        extra step whose token is dropped. Anything else (penalties, log-probabilities, min_tokens, tp > 1,
+        dp-attention) reads each step back before the next."""
         if self.drafter is not None:
             # Above --speculative-max-batch requests, plain decode steps: a big batch is no longer host-bound and
             # the verification rows and drafting cost more than the accepted drafts save (config.SPEC_MAX_BATCH).
@@ -396,7 +423,7 @@ class Engine:
             if self.drafter.keeps_hidden:  # MTP: the drafter still fills its cache rows, no drafts (spec.Drafter)
                 return self._step_speculative()
             self._drop_drafts()
-        if self._host_sampled or self.tp > 1:
+        if self._host_sampled or self.tp > 1 or self.dp_group is not None:
             return self.flush() + self._step_synchronous()
         prev, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
@@ -413,11 +440,16 @@ class Engine:
 
     def _step_synchronous(self) -> list[Request]:
         plan = self.scheduler.schedule()
-        if not plan.items:
+        if self.dp_group is not None:
+            logits = self._step_in_group(plan)
+            if not plan.items:
+                return []
+        elif not plan.items:
             return []
-        hb, _ = self._host_batch(plan)
-        self._broadcast(hb)
-        logits = self.runner.run(hb)
+        else:
+            hb, _ = self._host_batch(plan)
+            self._broadcast(hb)
+            logits = self.runner.run(hb)
         items = [s for s in plan.items if s.sample]
         if all(s.request.device_sampled and s.request.params.greedy and s.request.grammar is None for s in items):
             out = Sampled(self.runner.greedy(logits).tolist())
@@ -435,6 +467,29 @@ class Engine:
                 req.top_logprobs.append(out.top_logprobs[i])
             self._accept(req, len(req.token_ids) - 1, now)
         return [s.request for s in items]
+
+    def _step_in_group(self, plan: StepPlan) -> torch.Tensor | None:
+        """dp-attention: agree on the step with the other ranks, then run this rank's part of it (a padding step when
+        it has nothing scheduled and another rank has); None when no rank has tokens (no forward at all). As
+        SGLang's dp-attention schedulers do, every rank takes part in every step: each MoE layer is a collective."""
+        hb = self._host_batch(plan)[0] if plan.items else None
+        # Eager when this rank's step fits no captured graph (a prefill chunk, too many rows, too wide a table).
+        eager = not self.runner.graphs or (hb is not None and self.runner.graph_key(hb) is None)
+        rows, eager = self._agree(len(hb.ids) if hb is not None else 0, eager)
+        if rows == 0:
+            return None
+        # Every rank pads its MoE layers' input to the most rows any rank has, or replays that count's graph bucket.
+        return self.runner.run(hb if hb is not None else padding_step(), moe_rows=rows, eager=eager)
+
+    def _agree(self, tokens: int, eager: bool) -> tuple[int, bool]:
+        """The step's one host sync under dp-attention (infer/ep.py): the max over the ranks of (has work, tokens,
+        runs eagerly, asked to stop), one all-reduce of four integers on the gloo group, before the forward. Sets
+        group_busy and group_stop; returns (the most tokens of any rank, whether any rank runs eagerly)."""
+        t = torch.tensor([self.has_work(), tokens, eager, self.stop_requested], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        busy, rows, any_eager, stop = t.tolist()
+        self.group_busy, self.group_stop = bool(busy), bool(stop)
+        return rows, bool(any_eager)
 
     def _step_speculative(self) -> list[Request]:
         """A step of a speculative engine (infer/spec.py): each drafting request's last token and drafts are one
@@ -775,7 +830,9 @@ class Engine:
                 for rid, p, sp, name in zip(ids, prompts, params, loras)]
         bar = _progress(len(reqs)) if progress else None
         done = 0
-        while self.has_work():
+        # dp-attention: every rank steps until no rank has work (the last agreement says so, on every rank alike)
+        self.group_busy = self.dp_group is not None
+        while self.has_work() or self.group_busy:
             for r in self.step():
                 if r.finish_reason:
                     done += 1
@@ -831,6 +888,15 @@ def no_mtp_module(what: str) -> str:
     return (f"--speculative mtp: {what} has no MTP module (num_nextn_predict_layers 0, or its folder holds no "
             "model.layers.{num_hidden_layers}.* weights, as transformers writes DeepSeek-V3); use --speculative "
             "ngram, or a checkpoint with its MTP layer (paraseek train --mtp-layers 1, then paraseek export)")
+
+
+def padding_step() -> HostBatch:
+    """dp-attention: the step of a rank with nothing scheduled, so that its MoE layers still take part -- one decode
+    row of token 0 at position 0 in the padding block's slot 0 (block 0 is never handed out: a CUDA graph's padding
+    rows write there too) and no row sampled."""
+    z = np.zeros(1, dtype=np.int64)
+    return HostBatch(z, z, z, 1, np.zeros((1, 1), np.int32), np.ones(1, np.int32), [], np.zeros(0, np.int64),
+                     np.zeros(0, np.int64))
 
 
 def serve_worker(runner: ModelRunner, meta_group) -> None:

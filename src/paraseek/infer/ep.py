@@ -15,11 +15,32 @@ nothing to read back to the host, so a step stays one CUDA graph. An all-to-all 
 holding its experts (K of E slots instead of the whole row to everyone), and skip the other ranks' slots instead
 of weighting them 0; it needs per-rank counts exchanged first (sizes known only on the device), per-rank receive
 buffers padded to a bound to stay in a graph, and a second all-to-all to bring the expert outputs back.
+
+Data-parallel attention (`--ep N --dp-attention`, as SGLang serves DeepSeek-V3 with --enable-dp-attention): the N
+ranks each run attention, the dense layers, the shared experts, embedding, head and sampling for their own requests
+only, each with its own engine (scheduler, sampler, latent KV cache: a rank's cache holds its requests alone, N
+times the requests of the replicated form, whose every rank caches every request). Only the MoE layers are shared:
+each rank's tokens are all-gathered ([P, D] from every rank, P the step's padded row count), every rank routes all
+N x P gathered tokens and computes its own experts' slots of them (`local_slots`, as above), and one reduce-scatter
+sums the partial outputs and hands each rank back its own P rows; the shared experts then run on the rank's own
+tokens. The collectives move N x P rows where the replicated form's all-reduce moves the whole batch: the same
+volume, but attention's work and cache are split N ways instead of repeated N times. It pays where MLA's latent
+cache, replicated on every rank, limits the batch (SGLang's case for V3 at large batches); at small batches a step
+waits for the busiest rank, and with one request in flight the other ranks run padding.
+
+The one host sync of a step: every MoE layer is a collective, so the ranks step in lockstep and the gathered size
+must be the same everywhere. Before each step the ranks all-reduce (max) four small integers on the host's gloo
+group -- whether they have work, their token count, whether their step must run eagerly, whether they are asked
+to stop -- and every rank pads its MoE input to that most tokens (`pad_rows`), or with CUDA graphs replays the
+graph of the bucket that count falls in (its padding rows are the graph's own). A rank with no tokens runs one
+padding decode row (the padding block's slot, no logits sampled) so that its MoE layers still take part. Nothing
+inside the forward reads a size back from the device: a decode step stays one CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from paraseek.errors import UserError
 from paraseek.models.args import ModelArgs
@@ -55,3 +76,26 @@ def local_slots(weights_NK: torch.Tensor, idx_NK: torch.Tensor, first: int,
     mine_NK = (local_NK >= 0) & (local_NK < n_local)
     return (torch.where(mine_NK, weights_NK, torch.zeros_like(weights_NK)),
             torch.where(mine_NK, local_NK, torch.zeros_like(local_NK)).to(idx_NK.dtype))
+
+
+def pad_rows(h_ND: torch.Tensor, rows: int) -> torch.Tensor:
+    """dp-attention: this rank's step padded with zero rows to the step's agreed `rows` (the most tokens any rank
+    has); the padding rows route somewhere and their outputs are dropped."""
+    N = h_ND.shape[0]
+    return h_ND if rows <= N else torch.cat([h_ND, h_ND.new_zeros((rows - N, h_ND.shape[1]))])
+
+
+def gather_rows(h_PD: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's [P, D] rows, rank order: [ranks x P, D] (one all-gather; the same P on every rank)."""
+    out_GD = h_PD.new_empty((dist.get_world_size(group) * h_PD.shape[0], h_PD.shape[1]))
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    all_gather(out_GD, h_PD.contiguous(), group=group)
+    return out_GD
+
+
+def scatter_sums(y_GD: torch.Tensor, group) -> torch.Tensor:
+    """The ranks' partial [ranks x P, D] outputs summed, this rank's P rows of the sum (one reduce-scatter)."""
+    out_PD = y_GD.new_empty((y_GD.shape[0] // dist.get_world_size(group), y_GD.shape[1]))
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+    reduce_scatter(out_PD, y_GD.contiguous(), group=group)
+    return out_PD

@@ -37,8 +37,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, max_batched_tokens: int | N
                    "split by expert index, each GPU holding E/N of them whole (default 1). Alone: attention and "
                    "the shared experts replicated on each GPU; with --tp N (the same N): attention by heads, "
                    "the shared experts by width")
-    g.add_argument("--dp-attention", action="store_true", help="with --ep: each GPU runs attention for its own "
-                   "requests (not implemented; refused)")
+    g.add_argument("--dp-attention", action="store_true", help="with --ep N: each of the N GPUs runs attention, "
+                   "the dense layers, the shared experts and sampling for its own requests, with its own KV cache "
+                   "(N x the requests of replicated attention); the MoE layers gather every GPU's tokens, and the "
+                   "GPUs step together. Pays where the replicated latent cache limits the batch (large batches of "
+                   "DeepSeek-V3); attention at tp 1, so not with --tp (docs/inference.md)")
     g.add_argument("--dp", type=int, default=1, help="model replicas (data parallel), each on max(--tp, --ep) GPUs "
                    "(default 1)")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed and the default sampling seed base")

@@ -23,7 +23,9 @@ the norms and the router stay whole, so every rank holds the whole latent cache.
 replicates each kv head over tp / n_kv_heads ranks.
 Expert parallelism (infer/ep.py, `ep`): the routed experts split by expert index instead, each rank computing its
 experts' slots of every token; the shared experts then form one SwiGLU MLP of their own (width n_shared x F, cut
-by tp like a dense MLP, whole at tp 1), since the stack holds whole-width routed experts.
+by tp like a dense MLP, whole at tp 1), since the stack holds whole-width routed experts. With `dp_attention` each
+rank's forward holds its own requests' tokens only, and the MoE layers gather every rank's tokens, compute this
+rank's experts' slots of all of them and hand each rank back its rows' sums (infer/ep.py says why and how).
 
 Built with mtp=True, the model also holds DeepSeek-V3's first multi-token-prediction module (MTPLayer, same layer
 classes, a cache layer of its own after the model's), which speculative decoding drafts with (infer/spec.py): its
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 
 from paraseek.infer import moe, ops
 from paraseek.infer.attention import prefill_attention
-from paraseek.infer.ep import local_slots
+from paraseek.infer.ep import gather_rows, local_slots, pad_rows, scatter_sums
 from paraseek.infer.weights import Part, Share
 from paraseek.models.args import ModelArgs
 from paraseek.models.deepseek import MLA, Attention, Transformer, _use_grouped_mm, grouped_mm, rope_inv_freq
@@ -233,6 +235,7 @@ class MoELayer:
         ex, F_ = f"{p}.mlp.experts", a.moe_inter_dim
         self.shared: DenseMLP | None = None  # the shared experts under ep (see the module docstring)
         self.ep_group = s.ep_group
+        self.dp_attention = False  # each rank's own tokens in, gathered here (InferenceModel.build sets it)
         if s.ep > 1:  # this rank's experts, whole; every other tensor of them is never read
             self.E_local = self.E // s.ep
             self.expert_first = s.ep_rank * self.E_local
@@ -264,7 +267,10 @@ class MoELayer:
                          n_group=a.n_group, topk_group=a.topk_group, top_k=self.K, norm_topk_prob=a.norm_topk_prob,
                          scaling=a.routed_scaling_factor)
 
-    def forward(self, h_ND: torch.Tensor) -> torch.Tensor:
+    def forward(self, h_ND: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        """`rows`: under dp-attention the step's agreed rows per rank (0: this step's own, a CUDA graph's bucket)."""
+        if self.dp_attention:
+            return self._forward_gathered(h_ND, rows)
         w_NK, idx_NK = self.route(h_ND)
         if self.expert_first is None:
             return self._experts(h_ND, w_NK, idx_NK)
@@ -274,6 +280,18 @@ class MoELayer:
         y_ND = self._experts(h_ND, *local_slots(w_NK, idx_NK, self.expert_first, self.E_local))
         if self.ep_group is not None:
             dist.all_reduce(y_ND, group=self.ep_group)
+        return y_ND if self.shared is None else y_ND + self.shared.forward(h_ND)
+
+    def _forward_gathered(self, h_ND: torch.Tensor, rows: int) -> torch.Tensor:
+        """dp-attention (infer/ep.py): the ranks' tokens gathered (each rank's padded to the same P rows), routed
+        and this rank's experts' slots computed over all of them, the partial sums reduce-scattered back to their
+        ranks; then the shared experts on this rank's own rows. Every rank routes every gathered token (the same
+        inputs, the same choice): a [rows, D] x [D, E] product, less than two more collectives for the choice."""
+        N = h_ND.shape[0]
+        h_GD = gather_rows(pad_rows(h_ND, rows), self.ep_group)
+        w_GK, idx_GK = self.route(h_GD)
+        y_GD = self._experts(h_GD, *local_slots(w_GK, idx_GK, self.expert_first, self.E_local))
+        y_ND = scatter_sums(y_GD, self.ep_group)[:N]
         return y_ND if self.shared is None else y_ND + self.shared.forward(h_ND)
 
     def _experts(self, h_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> torch.Tensor:
@@ -359,19 +377,20 @@ class InferenceModel:
         self.lora = None  # infer/lora.LoRASlots once adapters are attached (lora.attach)
         self.weights = ""  # what the projections are (dtype, FP8 blocks kept or quantized), for the log line
         self.mtp: MTPLayer | None = None  # the speculative drafter (infer/spec.py), when built with mtp=True
+        self.dp_attention = False  # each rank's forward holds its own requests; the MoE layers gather (infer/ep.py)
 
     @classmethod
     @torch.no_grad()
     def from_training(cls, model: Transformer, tp_group=None, fp8: bool = False, mtp: bool = False, ep: int = 1,
-                      tp: int | None = None) -> InferenceModel:
+                      tp: int | None = None, dp_attention: bool = False) -> InferenceModel:
         """Lay out a whole training model's weights for inference, taking this rank's tp share (`fp8`: every
         projection and expert quantized to FP8 128 x 128 blocks; `mtp`: its first MTP module too, as the
-        speculative drafter; `ep`, `tp`: as `build`). The training model is emptied layer by layer as it goes
-        (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
+        speculative drafter; `ep`, `tp`, `dp_attention`: as `build`). The training model is emptied layer by layer
+        as it goes (peak memory: the model plus one layer's copies): it cannot be used afterwards."""
         from paraseek.infer.weights import ModelWeights
 
         w = model.embed_tokens.weight
-        out = cls.build(ModelWeights(model), model.args, tp_group, w.dtype, w.device, fp8, mtp, ep, tp)
+        out = cls.build(ModelWeights(model), model.args, tp_group, w.dtype, w.device, fp8, mtp, ep, tp, dp_attention)
         model.mtp = None  # what the engine runs of them was copied (mtp=True); the rest is not run
         return out
 
@@ -380,29 +399,31 @@ class InferenceModel:
     def from_folder(cls, folder, args: ModelArgs, tp_group=None, *, dtype: torch.dtype, device,
                     block: tuple[int, int] | None = None, fp8: bool = False,
                     map_budget: int = 1 << 30, mtp: bool = False, ep: int = 1,
-                    tp: int | None = None) -> InferenceModel:
+                    tp: int | None = None, dp_attention: bool = False) -> InferenceModel:
         """Read an HF folder's safetensors straight into this rank's layout, slice by slice (each rank reads only
         what it keeps; the whole model is never built). `block`: the FP8 weight block of its quantization_config.
         `fp8`: keep its FP8 blocks (or quantize a bf16 checkpoint's projections); otherwise FP8 weights are
         dequantized to `dtype`. `map_budget`: models.hf.HubTensors'. `mtp`: its first MTP layer too (the
-        speculative drafter). `ep`, `tp`: as `build` (under ep each rank reads only its experts' tensors)."""
+        speculative drafter). `ep`, `tp`, `dp_attention`: as `build` (under ep each rank reads only its experts'
+        tensors)."""
         from paraseek.infer.weights import FolderWeights
 
         src = FolderWeights(folder, args, block, map_budget)
         try:
-            return cls.build(src, args, tp_group, dtype, device, fp8, mtp, ep, tp)
+            return cls.build(src, args, tp_group, dtype, device, fp8, mtp, ep, tp, dp_attention)
         finally:
             src.close()
 
     @classmethod
     def build(cls, source, a: ModelArgs, tp_group, dtype: torch.dtype, device, fp8: bool,
-              mtp: bool = False, ep: int = 1, tp: int | None = None) -> InferenceModel:
+              mtp: bool = False, ep: int = 1, tp: int | None = None, dp_attention: bool = False) -> InferenceModel:
         """The layers from `source` (infer/weights.py), each layer's share read and laid out before the next;
         `mtp`: V3's first MTP module as well (MTPLayer). The drafter runs that one module for every draft (V3 ships
         one; a model with more keeps only the first: its deeper modules would need each earlier depth's hidden
         states of the same positions kept from step to step). `tp_group` holds the replica's ranks; `ep` > 1 splits
         the routed experts over all of them by expert (infer/ep.py), `tp` (default: all of them when ep is 1, else
-        1) the rest by heads and width: tp and ep are each 1 or the group's size."""
+        1) the rest by heads and width: tp and ep are each 1 or the group's size. `dp_attention` (ep > 1, tp 1): each
+        rank's forward runs its own requests, the MoE layers gather and scatter the ranks' tokens (infer/ep.py)."""
         from paraseek.infer.ep import check_ep
         from paraseek.infer.tp import check_tp
 
@@ -412,6 +433,8 @@ class InferenceModel:
         check_tp(a, tp, ep)
         if tp not in (1, world) or ep not in (1, world) or max(tp, ep) != world:
             raise ValueError(f"tp {tp} and ep {ep} on a group of {world} ranks: each is 1 or the group's size")
+        if dp_attention and (ep < 2 or tp != 1):
+            raise ValueError(f"dp-attention runs attention at tp 1 over ep > 1 ranks, not tp {tp} ep {ep}")
         rank = dist.get_rank(tp_group) if tp_group is not None else 0
         s = Share(source, rank if tp > 1 else 0, tp, dtype, torch.device(device), fp8, ep_rank=rank if ep > 1 else 0,
                   ep=ep, ep_group=tp_group if ep > 1 and tp == 1 else None)
@@ -440,6 +463,10 @@ class InferenceModel:
         if mtp:
             out.mtp = MTPLayer(s, a)
             s.release(f"layers.{a.n_layers}")
+        out.dp_attention = dp_attention
+        for L in layers + ([out.mtp.block] if out.mtp is not None else []):
+            if isinstance(L.mlp, MoELayer):
+                L.mlp.dp_attention = dp_attention
         out.weights = s.summary()
         return out
 
@@ -485,7 +512,7 @@ class InferenceModel:
             a_NE = L.attn.forward(h_NE, b, cache, i, self.rope)
             self._all_reduce(a_NE)
             h_NE = ops.add_rms_norm(a_NE, x_NE, L.post_norm.w, L.post_norm.eps)
-            m_NE = L.mlp.forward(h_NE)
+            m_NE = L.mlp.forward(h_NE, b.moe_rows) if isinstance(L.mlp, MoELayer) else L.mlp.forward(h_NE)
             self._all_reduce(m_NE)
             if i + 1 < len(layers):
                 h_NE = ops.add_rms_norm(m_NE, x_NE, layers[i + 1].in_norm.w, layers[i + 1].in_norm.eps)

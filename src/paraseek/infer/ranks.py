@@ -69,8 +69,14 @@ def check_parallel(ns: argparse.Namespace, args, device: str) -> None:
     check_ep(args, ns.tp, ep)
     check_tp(args, ns.tp, ep)
     if getattr(ns, "dp_attention", False):
-        raise UserError("--dp-attention is not implemented: with --ep every GPU runs attention for every request "
-                        "(replicated); leave it out")
+        if ep < 2:
+            raise UserError("--dp-attention needs --ep N with N > 1: it spreads the requests over the expert-parallel "
+                            "GPUs, each running attention for its own")
+        if ns.tp > 1:
+            raise UserError(f"--dp-attention with --tp {ns.tp}: attention runs at tp 1 under --dp-attention (each GPU "
+                            "its own requests); leave out --tp")
+        if getattr(ns, "speculative", None):
+            raise UserError("--dp-attention with --speculative is not supported: leave one of them out")
     if ep > 1 and lora_enabled(ns):
         raise UserError(f"--ep {ep} with LoRA adapters: adapters are served with --tp only; leave out --ep")
     if device == "cuda":

@@ -35,6 +35,7 @@ class StepBatch:
     logits_idx: torch.Tensor  # [n_sample] int64: rows whose logits are sampled
     every_row: bool = False  # logits_idx is every row in order (decode steps): no gather
     lora: torch.Tensor | None = None  # [N] int64: each token's adapter slot, -1 the base (infer/lora.py); None: none
+    moe_rows: int = 0  # dp-attention: the step's agreed rows per rank, which the MoE layers pad to (infer/ep.py)
 
     @property
     def num_tokens(self) -> int:
@@ -154,14 +155,15 @@ class ModelRunner:
         self.tokens = self._tok
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------------
-    def graph_key(self, b: HostBatch) -> tuple[int, int] | None:
+    def graph_key(self, b: HostBatch, rows: int = 0) -> tuple[int, int] | None:
         """The captured graph that can run this step: decode-only, batch padded up to a captured size, block tables
         padded up to a captured width. A target step that keeps its hidden states, or an MTP drafter step, needs the
-        MTP graphs (capture_graphs(mtp=True)); its key is then one of `mtp_graphs` for a drafter step."""
+        MTP graphs (capture_graphs(mtp=True)); its key is then one of `mtp_graphs` for a drafter step. `rows`:
+        under dp-attention the step's agreed rows per rank, so that every rank replays the same batch size."""
         mtp = b.keep_hidden or b.hidden_rows is not None
         if not self.graphs or b.n_decode != len(b.ids) or (mtp and self._h_out is None):
             return None
-        i = bisect.bisect_left(self.graph_batch_sizes, b.n_decode)
+        i = bisect.bisect_left(self.graph_batch_sizes, max(b.n_decode, rows))
         if i == len(self.graph_batch_sizes):
             return None
         j = bisect.bisect_left(self._widths, b.block_tables.shape[1])
@@ -261,10 +263,12 @@ class ModelRunner:
         self._i32[:bsz * (1 + m)].copy_(h32[:bsz * (1 + m)], non_blocking=True)
 
     @torch.no_grad()
-    def run(self, hb: HostBatch, src=None) -> torch.Tensor:
+    def run(self, hb: HostBatch, src=None, moe_rows: int = 0, eager: bool = False) -> torch.Tensor:
         """The step's logits. `src`: for each decode row, the row of `self.tokens` (a previous step's sampled tokens,
-        still on the device) that is its input token, or -1 (its token is hb.ids[row])."""
-        key = self.graph_key(hb)
+        still on the device) that is its input token, or -1 (its token is hb.ids[row]). Under dp-attention
+        (infer/ep.py) `moe_rows` is the step's agreed rows per rank and `eager` the ranks' agreement to run it
+        eagerly: every rank then takes the same path with the same MoE sizes."""
+        key = None if eager else self.graph_key(hb, moe_rows)
         if hb.hidden_rows is not None:  # the MTP drafter
             self._replayed = 0
             rows = _to_device(torch.from_numpy(np.asarray(hb.hidden_rows, dtype=np.int64)), self.device)
@@ -277,6 +281,7 @@ class ModelRunner:
         if key is None:
             self._replayed = 0
             b = hb.to_device(self.device)
+            b.moe_rows = moe_rows
             if src is not None and (np.asarray(src) >= 0).any():
                 _patch_ids(b.input_ids, src, self.tokens)
             if hb.keep_hidden:  # for the MTP drafter: eager, its last-block output kept

@@ -28,8 +28,8 @@ def _check(ns: argparse.Namespace) -> None:
             raise UserError(msg)
     if (ns.batch_file is None) != (ns.output is None):
         raise UserError("--batch-file IN.jsonl and --output OUT.jsonl go together")
-    if ns.batch_file is not None and ns.dp > 1:
-        raise UserError("--batch-file runs one replica: leave out --dp")
+    if ns.batch_file is not None and (ns.dp > 1 or ns.dp_attention):
+        raise UserError("--batch-file runs one engine: leave out --dp and --dp-attention")
     from paraseek.infer.flags import lora_enabled, parse_lora_modules
 
     ns.lora_modules = parse_lora_modules(ns.lora_modules or [], "--lora-modules")
@@ -122,18 +122,21 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise UserError("--chat-template needs a tokenizer; this model has none")
     tokenizer = load_tokenizer(src, ns.chat_template)
     defaults, why = generation_defaults(src)
+    # Engine loops behind the server: one per replica, or under --dp-attention one per rank (its own requests; the
+    # ranks' loops step together, serve/loop.py), each routed to as a replica.
+    loops = ns.dp * (ns.ep if ns.dp_attention else 1)
     if replica_gpus(ns) * ns.dp > 1 and os.environ.get(WORKER_ENV) != "1":
         return spawn(replica_gpus(ns) * ns.dp, ns.argv, {WORKER_ENV: "1"})
     pl = place(ns, device)
     listener = None
-    if ns.dp > 1:  # the HTTP process listens for the other replicas' drivers; everyone learns where
+    if loops > 1:  # the HTTP process listens for the other loops' drivers; everyone learns where
         import torch.distributed as dist
 
         from paraseek.serve.replicas import listen
 
         box = [None]
         if pl.rank == 0:
-            listener, address, key = listen(ns.dp - 1)
+            listener, address, key = listen(loops - 1)
             box = [(address, key)]
         dist.broadcast_object_list(box, src=0, group=pl.world_gloo)
         address, key = box[0]
@@ -143,13 +146,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):  # the HTTP process decides when to stop, and tells this rank
             signal.signal(sig, signal.SIG_IGN)
         engine = build_engine(ns, src, pl, log=lambda *a, **k: None)
-        if not pl.driver:
+        if not pl.driver and not ns.dp_attention:
             serve_worker(engine.runner, pl.meta_group)
-        else:  # the driver of replica 1, 2, ...: its own engine loop, fed by the HTTP process
+        else:  # the driver of replica 1, 2, ... (every rank under --dp-attention): its own loop, fed over HTTP
             from paraseek.serve.loop import EngineLoop
             from paraseek.serve.replicas import serve_remote
 
-            serve_remote(EngineLoop(engine), address, key, pl.replica)
+            serve_remote(EngineLoop(engine), address, key, pl.rank if ns.dp_attention else pl.replica)
             engine.shutdown()
         return finish(0, pl)
 
@@ -212,13 +215,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             else:
                 from paraseek.serve.replicas import ReplicaSet, accept
 
-                replicas = ReplicaSet(loop, accept(listener, ns.dp - 1))
+                replicas = ReplicaSet(loop, accept(listener, loops - 1))
                 loop_box.append(replicas)
                 state.metrics = replicas.metrics = ServerMetrics(replicas.stats, name, ns.block_size, max_len)
                 for r in replicas.replicas:
                     r.metrics = state.metrics
                 state.loop = replicas
-            say(f"{engine.report.line()} | {ns.dp} replica(s) ready in {time.perf_counter() - t0:.1f} s")
+            ranks = f" of {ns.ep} dp-attention ranks each" if ns.dp_attention else ""
+            say(f"{engine.report.line()} | {ns.dp} replica(s){ranks} ready in {time.perf_counter() - t0:.1f} s")
             loop.run()
         except UserError as e:
             state.failed, failure[0] = str(e), 2

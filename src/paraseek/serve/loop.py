@@ -1,6 +1,10 @@
 """One engine loop for many concurrent HTTP requests: the engine lives on its own thread (it is not thread-safe and
 its steps block), requests and aborts reach it through a queue, and each step's new tokens go back to the waiting
 request handlers on the asyncio loop.
+
+Under dp-attention (infer/ep.py) each rank of the replica runs such a loop for its own requests, and the loops turn
+together: every turn steps the engine, which first agrees with the other ranks (Engine._agree), so a rank with no
+requests still runs the padding steps the busy ones' MoE layers need, and all of them stop at the same turn.
 """
 
 from __future__ import annotations
@@ -135,10 +139,14 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         self._engine_thread = threading.get_ident()
+        grouped = getattr(engine, "dp_group", None) is not None
         try:
-            while not self._stop.is_set():
-                self._drain(block=not engine.has_work())
-                if not engine.has_work():
+            while not (engine.group_stop if grouped else self._stop.is_set()):
+                if grouped:  # a stop is agreed at the next step, so that no rank waits in a collective alone
+                    engine.stop_requested = self._stop.is_set()
+                idle = not engine.has_work() and not (grouped and (engine.group_busy or engine.stop_requested))
+                self._drain(block=idle)  # idle everywhere: wait for a request (at most 50 ms) before the next turn
+                if not grouped and not engine.has_work():
                     continue
                 self._gathered = {}
                 try:

@@ -2,6 +2,8 @@
 the driver of every other replica (its first tp rank) connects back over a local socket (the standard library's
 multiprocessing.connection, authenticated with a random key) and runs its own engine loop. Requests go to the
 replica with the fewest in flight; deltas, errors and engine counters come back on the same connection.
+Under `--ep N --dp-attention` each rank is such a replica (its own requests and cache) whose MoE layers are shared
+with the other ranks' (infer/ep.py): routing is the same, and the ranks' loops step together (serve/loop.py).
 """
 
 from __future__ import annotations
