@@ -25,7 +25,7 @@ from paraseek.planner.plan import AC_MODES, Cluster, Plan
 
 HOST_USABLE = 0.9  # of host memory, for offloaded states (the OS, data loaders and pinned buffers need the rest)
 MAX_MICRO_BATCH = 64
-# The caching allocator's fragmentation, measured on H200s (140.4 GiB; BENCHMARKS.md, "Memory headroom"): runs whose
+# The caching allocator's fragmentation, measured on H200s (140.4 GiB; docs/planner.md, "Memory headroom"): runs whose
 # allocated peak was at most 117.8 GiB (84%) ran at speed; from 122.7 GiB (87%) on, four runs lost 13-29% of their
 # tokens/s to the allocator freeing and retrying. The boundary, ~120 GiB allocated, is
 # 88% of the GPU in the planner's terms (its total adds the CUDA context and the allocator allowance to the

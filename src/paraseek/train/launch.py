@@ -46,8 +46,8 @@ def worker_env(cfg: TrainConfig) -> dict[str, str]:
         # FSDP2's reduce-scatter copy-in (aten::_chunk_cat) builds host metadata of one int64 per 2 KiB of gradient,
         # megabytes per block per step. After a fresh torch.compile, glibc served those from new mmaps (page faults
         # on every call): V2-Lite-12 at mbs 1 ran 0.31-0.43 s a step instead of 0.23. Kept on the heap below 32 MiB
-        # and not trimmed back, it runs at 0.23 from a fresh compile too (BENCHMARKS.md, "Host settings of the GPU
-        # training workers").
+        # and not trimmed back, it runs at 0.23 from a fresh compile too (docs/train.md, "Host settings of the GPU
+        # workers", and its raw files).
         env["GLIBC_TUNABLES"] = GLIBC_TUNABLES
     return env
 
