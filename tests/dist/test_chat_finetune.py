@@ -11,7 +11,7 @@ import json
 
 import pytest
 from chat_corpus import chat_corpus
-from dist_helpers import EXACT, assert_same_losses, run_train, step_losses
+from dist_helpers import EXACT, assert_same_losses, run_trains, step_losses
 
 pytestmark = pytest.mark.dist
 
@@ -31,14 +31,24 @@ def eval_losses(jsonl) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The one-process run (its folder, the command's result, its losses and validation losses) and every plan's
+    run (its folder and result), trained in one batch (dist_helpers.run_trains: processes start slowly)."""
     root = tmp_path_factory.mktemp("chat")
     chat_corpus(root)
-    r = run_train(*EXACT, *FLAGS, "--nproc", "1", cwd=root)
-    return root, r, step_losses(root / "m.jsonl"), eval_losses(root / "m.jsonl")
+    folders = {plan: tmp_path_factory.mktemp(plan) for plan in PLANS}
+    for folder in folders.values():
+        for name in ("tok", "chat.jsonl"):
+            (folder / name).symlink_to(root / name)
+    r, *results = run_trains([([*EXACT, *FLAGS, "--nproc", "1"], root)]
+                             + [([*EXACT, *FLAGS, *flags], folders[plan]) for plan, flags in PLANS.items()],
+                             check=False)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    return (root, r, step_losses(root / "m.jsonl"), eval_losses(root / "m.jsonl"),
+            {plan: (folders[plan], res) for plan, res in zip(PLANS, results, strict=True)})
 
 
 def test_validation_loss_at_the_asked_steps(reference):
-    root, r, losses, evals = reference
+    root, r, losses, evals, _ = reference
     assert "data: chat.jsonl: 48 conversations" in r.stdout and "packed, attention masked to each document" in r.stdout
     assert "loss on assistant" in r.stdout and "evaluation: 5 windows held out of --data" in r.stdout
     assert sorted(evals) == [2, 4] and sorted(losses) == [1, 2, 3, 4]
@@ -49,10 +59,9 @@ def test_validation_loss_at_the_asked_steps(reference):
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
-def test_plan_matches_single_process(plan, reference, tmp_path):
-    root, _, ref_losses, ref_evals = reference
-    for name in ("tok", "chat.jsonl"):
-        (tmp_path / name).symlink_to(root / name)
-    run_train(*EXACT, *FLAGS, *PLANS[plan], cwd=tmp_path)
-    assert_same_losses(step_losses(tmp_path / "m.jsonl"), ref_losses, rtol=1e-4)
-    assert_same_losses(eval_losses(tmp_path / "m.jsonl"), ref_evals, rtol=1e-4)
+def test_plan_matches_single_process(plan, reference):
+    _, _, ref_losses, ref_evals, runs = reference
+    folder, r = runs[plan]
+    assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    assert_same_losses(step_losses(folder / "m.jsonl"), ref_losses, rtol=1e-4)
+    assert_same_losses(eval_losses(folder / "m.jsonl"), ref_evals, rtol=1e-4)

@@ -3,7 +3,7 @@ within 1e-4 relative over 6 steps (only the summation order of the head's gradie
 with --tp and --pp."""
 
 import pytest
-from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, step_losses
+from dist_helpers import EXACT, assert_same_losses, run_train, run_trains, seed_checkpoint, step_losses
 
 pytestmark = pytest.mark.dist
 
@@ -11,8 +11,8 @@ pytestmark = pytest.mark.dist
 def test_chunked_loss_trains_like_whole_logits(tmp_path):
     init = seed_checkpoint("tiny-moe", tmp_path / "init")
     common = [*EXACT, "--steps", "6", "--init-from", str(init), "--nproc", "2"]
-    run_train(*common, "--metrics-jsonl", "plain.jsonl", cwd=tmp_path)
-    run_train(*common, "--loss-chunks", "4", "--metrics-jsonl", "chunked.jsonl", cwd=tmp_path)
+    run_trains([([*common, "--metrics-jsonl", "plain.jsonl"], tmp_path),
+                ([*common, "--loss-chunks", "4", "--metrics-jsonl", "chunked.jsonl"], tmp_path)])
     assert_same_losses(step_losses(tmp_path / "chunked.jsonl"), step_losses(tmp_path / "plain.jsonl"), 1e-4)
 
 

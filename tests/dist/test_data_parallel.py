@@ -4,7 +4,7 @@ HSDP 2x2, DDP over 2, FSDP with gradient accumulation, full and selective activa
 Tolerance 1e-4 relative: the same math, only the order of the gradient reductions differs."""
 
 import pytest
-from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, step_losses
+from dist_helpers import EXACT, assert_same_losses, run_trains, seed_checkpoint, step_losses
 
 pytestmark = pytest.mark.dist
 
@@ -32,59 +32,57 @@ EP_PLANS = {
     "hsdp2x2-ep2": ["--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2", "--ep", "2", "--micro-batch-size", "2"],
 }
 STEPS = ["--steps", "6"]
-
-
-_REFERENCES: dict[str, tuple] = {}  # model -> (init, ref_for): shared by the plan and the expert-parallel tests
-
-
-def _references(model: str, tmp_path_factory):
-    """Single-process runs (1 rank, gradient accumulation over the whole global batch), one per micro-batch size:
-    the same micro-batch shapes keep fp32 matmul blocking identical, so that MoE routing cannot flip on a 1e-7
-    difference and the comparison isolates the data-parallel plan. Computed once per model and micro-batch size
-    for the module (tiny-moe's serve both test functions: the same seed checkpoint, flags and data)."""
-    if model in _REFERENCES:
-        return _REFERENCES[model]
-    root = tmp_path_factory.mktemp(model)
-    init = seed_checkpoint(model, root / "init")
-    refs: dict[str, dict[int, float]] = {}
-
-    def ref_for(micro_batch: str) -> dict[int, float]:
-        if micro_batch not in refs:
-            run_train(*EXACT, *STEPS, "--init-from", str(init), "--nproc", "1", "--micro-batch-size", micro_batch,
-                      "--metrics-jsonl", f"ref{micro_batch}.jsonl", cwd=root)
-            refs[micro_batch] = step_losses(root / f"ref{micro_batch}.jsonl")
-        return refs[micro_batch]
-
-    _REFERENCES[model] = init, ref_for
-    return _REFERENCES[model]
-
-
-@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
-def reference(request, tmp_path_factory):
-    return _references(request.param, tmp_path_factory)
+MODELS = ["tiny-dense", "tiny-moe"]
 
 
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-    return _references("tiny-moe", tmp_path_factory)
+def trained(tmp_path_factory) -> dict[tuple, tuple]:
+    """Every plan of the module on both models, and the single-process references (1 rank, gradient accumulation
+    over the whole global batch), one per micro-batch size: the same micro-batch shapes keep fp32 matmul blocking
+    identical, so that MoE routing cannot flip on a 1e-7 difference and the comparison isolates the data-parallel
+    plan. All trained in one batch of `paraseek train` commands (dist_helpers.run_trains: processes start slowly);
+    {(model, plan) or (model, "ref", micro_batch): (the command's result, its losses)}."""
+    keys, runs = [], []
+    for model in MODELS:
+        root = tmp_path_factory.mktemp(model)
+        init = seed_checkpoint(model, root / "init")
+        plans = {**PLANS, **(EP_PLANS if model == "tiny-moe" else {})}
+        for mb in sorted({flags[flags.index("--micro-batch-size") + 1] for flags in plans.values()}):
+            keys.append((model, "ref", mb))
+            runs.append(([*EXACT, *STEPS, "--init-from", str(init), "--nproc", "1", "--micro-batch-size", mb,
+                          "--metrics-jsonl", "m.jsonl"], root / f"ref{mb}"))
+        for plan, flags in plans.items():
+            keys.append((model, plan))
+            runs.append(([*EXACT, *STEPS, "--init-from", str(init), *flags, "--metrics-jsonl", "m.jsonl"],
+                         root / plan))
+    for _, cwd in runs:
+        cwd.mkdir()
+    results = run_trains(runs, check=False)
+    return {key: (r, step_losses(cwd / "m.jsonl") if r.returncode == 0 else None)
+            for key, r, (_, cwd) in zip(keys, results, runs, strict=True)}
 
 
-def _check_plan(flags, references, tmp_path):
-    init, ref_for = references
-    ref = ref_for(flags[flags.index("--micro-batch-size") + 1])
-    run_train(*EXACT, *STEPS, "--init-from", str(init), *flags, "--metrics-jsonl", "m.jsonl", cwd=tmp_path)
-    got = step_losses(tmp_path / "m.jsonl")
+def _losses(trained, key) -> dict[int, float]:
+    r, losses = trained[key]
+    assert r.returncode == 0, (key, r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    return losses
+
+
+def _check_plan(model, plan, flags, trained):
+    ref = _losses(trained, (model, "ref", flags[flags.index("--micro-batch-size") + 1]))
+    got = _losses(trained, (model, plan))
     assert_same_losses(got, ref, rtol=1e-4)
     assert ref[6] < ref[1]  # and it trains
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
-def test_plan_matches_single_process(plan, reference, tmp_path):
-    _check_plan(PLANS[plan], reference, tmp_path)
+@pytest.mark.parametrize("model", MODELS)
+def test_plan_matches_single_process(plan, model, trained):
+    _check_plan(model, plan, PLANS[plan], trained)
 
 
 @pytest.mark.parametrize("plan", sorted(EP_PLANS))
-def test_expert_parallel_plan_matches_single_process(plan, moe_reference, tmp_path):
+def test_expert_parallel_plan_matches_single_process(plan, trained):
     """Tokens cross ranks through two all-to-alls and each expert sees them in source order, so the math is the
     single process's; only reduction orders differ."""
-    _check_plan(EP_PLANS[plan], moe_reference, tmp_path)
+    _check_plan("tiny-moe", plan, EP_PLANS[plan], trained)

@@ -7,7 +7,7 @@ pipeline over FSDP2 (the scales precomputed over the stages' view) and tensor pa
 import json
 
 import pytest
-from dist_helpers import EXACT, assert_same_losses, run_train, seed_checkpoint, step_losses
+from dist_helpers import EXACT, assert_same_losses, run_trains, seed_checkpoint, step_losses
 
 pytestmark = pytest.mark.dist
 
@@ -23,65 +23,94 @@ def assert_same_fp8_losses(got: dict[int, float], ref: dict[int, float]) -> None
     assert_same_losses(got, ref, rtol=2e-3)
 
 
-def test_recipes_track_fp32_and_fsdp2_matches_one_process(tmp_path, monkeypatch):
-    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")  # run_train's processes inherit it
-    init = seed_checkpoint("tiny-dense", tmp_path / "init")
+ONE, MB4, MB2 = ("--nproc", "1"), ("--micro-batch-size", "4"), ("--micro-batch-size", "2")
+RECIPES = ("tensorwise", "rowwise", "rowwise-gw-hp")
+FP8_EXPERTS = ("--fp8", "rowwise", "--fp8-experts", "on")
+# tensor parallelism: (model, fp8 flags, plan, rtol of step 1's grad norm, rtol of the losses); see the test
+TP_CASES = (("tiny-dense", ("--fp8", "tensorwise"), ("--nproc", "2", "--tp", "2"), 1e-5, 2e-3),
+            ("tiny-moe", ("--fp8", "tensorwise"), ("--nproc", "4", "--dp-shard", "2", "--tp", "2"), 1e-3, 3e-3),
+            ("tiny-moe", FP8_EXPERTS, ("--nproc", "2", "--tp", "2"), 1e-3, 3e-3))
+# Every run the tests below compare, (model, flags): 3 steps from the model's seeded weights, all trained in one
+# batch (dist_helpers.run_trains: processes start slowly).
+RUNS = [
+    # the recipes against fp32, and FSDP2 on 2 ranks
+    *(("tiny-dense", *ONE, *MB4, *fp8) for fp8 in [(), *(("--fp8", r) for r in RECIPES)]),
+    ("tiny-dense", "--nproc", "2", "--dp-shard", "2", *MB4, "--fp8", "tensorwise"),
+    # HSDP and the pipeline over FSDP2: micro-batches of 2 sequences everywhere, the same activation scales
+    *(("tiny-dense", *plan, *MB2, "--fp8", "tensorwise") for plan in (
+        ONE, ("--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2"),
+        ("--nproc", "4", "--pp", "2", "--dp-shard", "2"))),
+    # the float8 experts
+    *(("tiny-moe", *ONE, *MB4, *fp8) for fp8 in [(), FP8_EXPERTS, ("--fp8", "rowwise")]),
+    ("tiny-moe", "--nproc", "2", "--dp-shard", "2", "--ep", "2", *MB4, *FP8_EXPERTS),
+    # tensor parallelism and its one-process references
+    *((m, *plan, *MB4, *fp8) for m, fp8, plan, _, _ in TP_CASES),
+    *((m, *ONE, *MB4, *fp8) for m, fp8, _, _, _ in TP_CASES),
+]
 
-    def losses(name, *flags):
-        run_train(*EXACT, "--steps", "3", "--micro-batch-size", "4", "--init-from", str(init),
-                  "--metrics-jsonl", f"{name}.jsonl", *flags, cwd=tmp_path)
-        return step_losses(tmp_path / f"{name}.jsonl")
 
-    ref = losses("fp32", "--nproc", "1")
-    runs = {r: losses(r, "--nproc", "1", "--fp8", r) for r in ("tensorwise", "rowwise", "rowwise-gw-hp")}
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """trained(model, *flags): that run's losses and its metrics rows."""
+    root = tmp_path_factory.mktemp("fp8")
+    inits = {m: seed_checkpoint(m, root / f"init-{m}") for m in ("tiny-dense", "tiny-moe")}
+    runs = list(dict.fromkeys(RUNS))
+    folders = [root / f"run{i}" for i in range(len(runs))]
+    for folder in folders:
+        folder.mkdir()
+    # PARASEEK_FP8_EMULATE=1: torchao's float8 path on CPU, for every run
+    results = run_trains([([*EXACT, "--steps", "3", "--init-from", str(inits[model]), *flags,
+                            "--metrics-jsonl", "m.jsonl"], folder) for (model, *flags), folder in zip(runs, folders)],
+                         check=False, env={"PARASEEK_FP8_EMULATE": "1"})
+
+    def get(model, *flags):
+        i = runs.index((model, *flags))
+        r = results[i]
+        assert r.returncode == 0, (model, flags, r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+        rows = [json.loads(ln) for ln in (folders[i] / "m.jsonl").read_text().splitlines()]
+        return step_losses(folders[i] / "m.jsonl"), {r["step"]: r for r in rows if "event" not in r}
+
+    return get
+
+
+def test_recipes_track_fp32_and_fsdp2_matches_one_process(trained):
+    ref = trained("tiny-dense", *ONE, *MB4)[0]
+    runs = {r: trained("tiny-dense", *ONE, *MB4, "--fp8", r)[0] for r in RECIPES}
     for recipe, got in runs.items():
         assert got != ref, recipe  # the float8 casts ran
         # e4m3 keeps 3 mantissa bits; with per-tensor or per-row scales the loss of a tiny model stays within 2%
         assert_same_losses(got, ref, rtol=0.02)
     # The same micro-batches (4 sequences) on each rank as in the one-process accumulation: the same activation
     # scales, and FSDP2's float8 all-gather the same weight scales (amax over the shards); only reductions reorder.
-    fsdp = losses("fsdp2", "--nproc", "2", "--dp-shard", "2", "--fp8", "tensorwise")
+    fsdp = trained("tiny-dense", "--nproc", "2", "--dp-shard", "2", *MB4, "--fp8", "tensorwise")[0]
     assert_same_fp8_losses(fsdp, runs["tensorwise"])
 
 
-def test_tensorwise_under_hsdp_and_pp_matches_one_process(tmp_path, monkeypatch):
-    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
-    init = seed_checkpoint("tiny-dense", tmp_path / "init")
+def test_tensorwise_under_hsdp_and_pp_matches_one_process(trained):
+    def losses(*plan):  # micro-batches of 2 sequences everywhere: the same activation scales
+        return trained("tiny-dense", *plan, *MB2, "--fp8", "tensorwise")[0]
 
-    def losses(name, *flags):  # micro-batches of 2 sequences everywhere: the same activation scales
-        run_train(*EXACT, "--steps", "3", "--micro-batch-size", "2", "--init-from", str(init), "--fp8", "tensorwise",
-                  "--metrics-jsonl", f"{name}.jsonl", *flags, cwd=tmp_path)
-        return step_losses(tmp_path / f"{name}.jsonl")
-
-    ref = losses("one", "--nproc", "1")
+    ref = losses(*ONE)
     # HSDP: the float8 all-gather inside each replica, the fp32 grads all-reduced across
-    assert_same_fp8_losses(losses("hsdp", "--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2"), ref)
+    assert_same_fp8_losses(losses("--nproc", "4", "--dp-replicate", "2", "--dp-shard", "2"), ref)
     # 2 stages, each sharded over 2 ranks: every stage converted, its float8 all-gather's scales precomputed
-    assert_same_fp8_losses(losses("pp2", "--nproc", "4", "--pp", "2", "--dp-shard", "2"), ref)
+    assert_same_fp8_losses(losses("--nproc", "4", "--pp", "2", "--dp-shard", "2"), ref)
 
 
-def test_float8_experts_track_fp32_and_expert_parallel_matches_one_process(tmp_path, monkeypatch):
+def test_float8_experts_track_fp32_and_expert_parallel_matches_one_process(trained):
     """--fp8-experts on (the routed experts' grouped GEMMs in float8, emulated): close to fp32, and with the experts
     split over 2 ranks (EP: each rank's local experts on its own padded groups) the one-process losses. Rowwise, so
     every scale is per row and the same however the tokens are batched or dispatched."""
-    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
-    init = seed_checkpoint("tiny-moe", tmp_path / "init")
-
-    def losses(name, *flags):
-        run_train(*EXACT, "--steps", "3", "--micro-batch-size", "4", "--init-from", str(init),
-                  "--metrics-jsonl", f"{name}.jsonl", *flags, cwd=tmp_path)
-        return step_losses(tmp_path / f"{name}.jsonl")
-
-    fp8 = ["--fp8", "rowwise", "--fp8-experts", "on"]
-    ref = losses("fp32", "--nproc", "1")
-    one = losses("one", "--nproc", "1", *fp8)
-    dense_only = losses("dense-only", "--nproc", "1", "--fp8", "rowwise")
+    ref = trained("tiny-moe", *ONE, *MB4)[0]
+    one = trained("tiny-moe", *ONE, *MB4, *FP8_EXPERTS)[0]
+    dense_only = trained("tiny-moe", *ONE, *MB4, "--fp8", "rowwise")[0]
     assert one != dense_only  # the experts' float8 casts ran
     assert_same_losses(one, ref, rtol=0.02)
-    assert_same_fp8_losses(losses("ep2", "--nproc", "2", "--dp-shard", "2", "--ep", "2", *fp8), one)
+    assert_same_fp8_losses(trained("tiny-moe", "--nproc", "2", "--dp-shard", "2", "--ep", "2", *MB4, *FP8_EXPERTS)[0],
+                           one)
 
 
-def test_tensor_parallel_fp8_matches_one_process(tmp_path, monkeypatch):
+def test_tensor_parallel_fp8_matches_one_process(trained):
     """--fp8 with --tp (the float8 linears made first, then sharded by the TP styles; parallelize.py): tp=2 on the
     dense model, FSDP2 x tp on the MoE (tensorwise: no float8 all-gather under TP, the weights cast inside each
     linear), and rowwise with the float8 experts under tp=2 (each rank routes its own tokens through them).
@@ -91,23 +120,10 @@ def test_tensor_parallel_fp8_matches_one_process(tmp_path, monkeypatch):
     gets a partial output gradient, which is cast to float8 with its own scale before the sum over tp, where one
     process casts the sum. Later steps as assert_same_fp8_losses, with 3e-3 on the MoE (measured 1.3e-3: the
     router's top-k and the e4m3 rounding amplify the gradients' difference)."""
-    monkeypatch.setenv("PARASEEK_FP8_EMULATE", "1")
-
-    def run(model, name, *flags):
-        run_train(*EXACT, "--steps", "3", "--micro-batch-size", "4", "--init-from", str(inits[model]),
-                  "--metrics-jsonl", f"{name}.jsonl", *flags, cwd=tmp_path)
-        rows = [json.loads(ln) for ln in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-        return step_losses(tmp_path / f"{name}.jsonl"), next(r["grad_norm"] for r in rows
-                                                              if r.get("step") == 1 and "event" not in r)
-
-    inits = {m: seed_checkpoint(m, tmp_path / f"init-{m}") for m in ("tiny-dense", "tiny-moe")}
-    for model, flags, plan, grad_rtol, rtol in (
-            ("tiny-dense", ["--fp8", "tensorwise"], ["--nproc", "2", "--tp", "2"], 1e-5, 2e-3),
-            ("tiny-moe", ["--fp8", "tensorwise"], ["--nproc", "4", "--dp-shard", "2", "--tp", "2"], 1e-3, 3e-3),
-            ("tiny-moe", ["--fp8", "rowwise", "--fp8-experts", "on"], ["--nproc", "2", "--tp", "2"], 1e-3, 3e-3)):
+    for model, flags, plan, grad_rtol, rtol in TP_CASES:
         name = f"{model}-{flags[1]}"
-        ref, ref_norm = run(model, f"{name}-one", "--nproc", "1", *flags)
-        got, got_norm = run(model, name, *plan, *flags)
+        ref, ref_rows = trained(model, *ONE, *MB4, *flags)
+        got, got_rows = trained(model, *plan, *MB4, *flags)
         assert_same_losses({1: got[1]}, {1: ref[1]}, rtol=1e-6)
-        assert got_norm == pytest.approx(ref_norm, rel=grad_rtol), name
+        assert got_rows[1]["grad_norm"] == pytest.approx(ref_rows[1]["grad_norm"], rel=grad_rtol), name
         assert_same_losses(got, ref, rtol=rtol)

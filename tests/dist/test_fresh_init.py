@@ -4,7 +4,7 @@ So FSDP2, HSDP, TP, PP and EP give the single-process losses from step 1 on, wit
 (test_data_parallel.py, which start every plan from one saved checkpoint instead)."""
 
 import pytest
-from dist_helpers import EXACT, assert_same_losses, run_train, step_losses
+from dist_helpers import EXACT, assert_same_losses, run_trains, step_losses
 
 pytestmark = pytest.mark.dist
 
@@ -19,19 +19,23 @@ PLANS = {
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
-    """One process with the plans' micro-batch (2 sequences: the same matmul shapes), per model."""
-    refs = {}
-    for model in sorted({m for m, _ in PLANS}):
-        root = tmp_path_factory.mktemp(model)
-        run_train(*EXACT, *STEPS, "--model", model, "--nproc", "1", "--micro-batch-size", "2",
-                  "--metrics-jsonl", "ref.jsonl", cwd=root)
-        refs[model] = step_losses(root / "ref.jsonl")
-    return refs
+def trained(tmp_path_factory):
+    """Every plan's losses, and one process's with the plans' micro-batch (2 sequences: the same matmul shapes) per
+    model, all trained in one batch (dist_helpers.run_trains: processes start slowly): {(model, plan or "one"):
+    losses}."""
+    runs = {(model, "one"): ["--nproc", "1"] for model in sorted({m for m, _ in PLANS})} | PLANS
+    folders = {key: tmp_path_factory.mktemp(f"{key[0]}-{key[1]}") for key in runs}
+    results = run_trains([([*EXACT, *STEPS, "--model", key[0], *flags, "--micro-batch-size", "2",
+                            "--metrics-jsonl", "m.jsonl"], folders[key]) for key, flags in runs.items()], check=False)
+    out = {}
+    for key, r in zip(runs, results, strict=True):
+        assert r.returncode == 0 or key[1] != "one", (key, r.stdout[-3000:], r.stderr[-3000:])
+        out[key] = (r, step_losses(folders[key] / "m.jsonl") if r.returncode == 0 else None)
+    return out
 
 
 @pytest.mark.parametrize("model,plan", sorted(PLANS), ids=[f"{m}-{p}" for m, p in sorted(PLANS)])
-def test_fresh_init_gives_the_single_process_losses(model, plan, single_process, tmp_path):
-    run_train(*EXACT, *STEPS, "--model", model, *PLANS[model, plan], "--micro-batch-size", "2",
-              "--metrics-jsonl", "m.jsonl", cwd=tmp_path)
-    assert_same_losses(step_losses(tmp_path / "m.jsonl"), single_process[model], rtol=1e-4)
+def test_fresh_init_gives_the_single_process_losses(model, plan, trained):
+    r, got = trained[model, plan]
+    assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    assert_same_losses(got, trained[model, "one"][1], rtol=1e-4)

@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from dist_helpers import EXACT, run_train, run_train_refusals, seeded_model
+from dist_helpers import EXACT, run_train, run_train_refusals, run_trains, seeded_model
 from mtp_reference import v3_losses
 
 from paraseek.models import load_pretrained, save_pretrained
@@ -40,25 +40,36 @@ def _rows(jsonl) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, jsonl.read_text().splitlines()) if "event" not in r}
 
 
-def _run(init, cwd, *plan: str, jsonl: str = "m.jsonl", extra: tuple = (), check: bool = True):
-    r = run_train(*EXACT, "--steps", str(STEPS), "--init-from", str(init), *WEIGHTS, *plan, "--metrics-jsonl", jsonl,
-                  *extra, cwd=cwd, check=check)
-    return r, (_rows(cwd / jsonl) if check else None)
+def _command(init, *plan: str, jsonl: str = "m.jsonl", extra: tuple = ()) -> list[str]:
+    return [*EXACT, "--steps", str(STEPS), "--init-from", str(init), *WEIGHTS, *plan, "--metrics-jsonl", jsonl, *extra]
+
+
+PLANS = {"fsdp2": ("--nproc", "2"), "tp2": ("--nproc", "2", "--tp", "2"), "ep2": ("--nproc", "2", "--ep", "2"),
+         "pp2": ("--nproc", "2", "--pp", "2"),
+         "pp2-zbv": ("--nproc", "2", "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--pp-virtual-stages", "2")}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The one-process run (its folder, result and rows; with a checkpoint and an HF export) and every plan's
+    (result, rows), trained in one batch (dist_helpers.run_trains: processes start slowly)."""
     root = tmp_path_factory.mktemp("mtp")
     args = ModelArgs.from_hf_config({**preset_config("tiny-moe"), "num_hidden_layers": 4,
                                      "num_nextn_predict_layers": DEPTHS})
     save_pretrained(seeded_model(args), root / "init")
-    r, rows = _run(root / "init", root, "--nproc", "1", jsonl="ref.jsonl",
-                   extra=("--checkpoint-dir", "ck", "--export-hf", "out"))
-    return root, r, rows
+    folders = {name: tmp_path_factory.mktemp(name) for name in PLANS}
+    r, *results = run_trains([(_command(root / "init", "--nproc", "1", jsonl="ref.jsonl",
+                                        extra=("--checkpoint-dir", "ck", "--export-hf", "out")), root)]
+                             + [(_command(root / "init", *plan), folders[name]) for name, plan in PLANS.items()],
+                             check=False)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    plans = {name: (res, _rows(folders[name] / "m.jsonl") if res.returncode == 0 else None)
+             for name, res in zip(PLANS, results, strict=True)}
+    return root, r, _rows(root / "ref.jsonl"), plans
 
 
 def test_one_process_equals_the_v3_equations_and_a_plain_training_loop(reference):
-    root, r, rows = reference
+    root, r, rows, _ = reference
     assert "MTP: 2 depths (the model's own), loss weight 0.3, 0.1 after step 2 / 2 per depth" in r.stdout
     assert "| mtp " in r.stdout  # the progress line carries each depth's loss
     ref = _plain_torch(root / "init", steps=STEPS)
@@ -91,15 +102,12 @@ def _plain_torch(init, steps: int) -> dict[int, dict]:
     return out
 
 
-@pytest.mark.parametrize("plan", [("--nproc", "2"), ("--nproc", "2", "--tp", "2"), ("--nproc", "2", "--ep", "2"),
-                                  ("--nproc", "2", "--pp", "2"),
-                                  ("--nproc", "2", "--pp", "2", "--pp-schedule", "ZBVZeroBubble",
-                                   "--pp-virtual-stages", "2")],
-                         ids=["fsdp2", "tp2", "ep2", "pp2", "pp2-zbv"])
-def test_each_plan_equals_one_process(reference, tmp_path, plan):
-    _, _, ref = reference
-    r, got = _run(reference[0] / "init", tmp_path, *plan)
-    if "--pp" in plan:
+@pytest.mark.parametrize("plan", PLANS)
+def test_each_plan_equals_one_process(reference, plan):
+    _, _, ref, plans = reference
+    r, got = plans[plan]
+    assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    if "--pp" in PLANS[plan]:
         assert "2 MTP modules" in r.stdout  # on the last stage, in the split the header prints
     assert sorted(got) == sorted(ref)
     for step in ref:
@@ -112,7 +120,7 @@ def test_each_plan_equals_one_process(reference, tmp_path, plan):
 
 
 def test_export_holds_the_trained_mtp_modules(reference):
-    root, _, _ = reference
+    root, _, _, _ = reference
     init = load_pretrained(root / "init", dtype=torch.float32).state_dict()
     out = load_pretrained(root / "out", dtype=torch.float32)
     assert out.args.n_mtp_layers == DEPTHS
@@ -121,7 +129,7 @@ def test_export_holds_the_trained_mtp_modules(reference):
 
 
 def test_a_checkpoint_resumes_only_under_its_mtp_depth(reference):
-    root, _, _ = reference
+    root, _, _, _ = reference
     r = run_train(*EXACT, "--steps", str(STEPS + 1), "--init-from", str(root / "init"), "--nproc", "1",
                   "--checkpoint-dir", "ck", "--resume", "--mtp-layers", "1", cwd=root, check=False)
     assert r.returncode == 2, r.stderr[-2000:]

@@ -14,7 +14,8 @@ import pytest
 import torch
 import json
 
-from dist_helpers import EXACT, assert_same_losses, run_train, run_train_refusals, seeded_model, step_losses
+from dist_helpers import (EXACT, assert_same_losses, run_train, run_train_refusals, run_trains, seeded_model,
+                          step_losses)
 
 from paraseek.models import load_pretrained, save_pretrained
 from paraseek.models.args import ModelArgs, preset_config
@@ -27,8 +28,26 @@ STEPS = 6
 RTOL = 1e-4
 
 
+# Each test's `paraseek train` plan ((name, plan flags, steps, extra flags) on 2 or 4 processes), trained together
+# with the reference in one batch (dist_helpers.run_trains: processes start slowly).
+PLANS = [*((f"pp2-{schedule}", ("--nproc", "2", "--pp", "2", "--pp-schedule", schedule, "--pp-virtual-stages",
+                                "1" if schedule in SINGLE_SCHEDULES else "2"), STEPS, ()) for schedule in SCHEDULES),
+         ("pp4", ("--nproc", "4", "--pp", "4"), STEPS, ()),
+         ("pp2-tp2", ("--nproc", "4", "--pp", "2", "--tp", "2"), STEPS, ()),
+         ("tp2-ep2", ("--nproc", "4", "--tp", "2", "--ep", "2"), STEPS, ()),
+         ("pp2-ep2-dp2", ("--nproc", "4", "--pp", "2", "--dp-shard", "2", "--ep", "2",
+                          "--pp-schedule", "Interleaved1F1B"), STEPS, ()),
+         # the first leg of the checkpoint test: 3 steps under tp=2 x pp=2, saved
+         ("tp2-pp2-saved", ("--nproc", "4", "--pp", "2", "--tp", "2"), 3, ("--checkpoint-dir", "ck")),
+         # the export test's two runs: under pp, and on one process
+         ("export-pp2", ("--nproc", "2", "--pp", "2"), 2, ("--export-hf", "out")),
+         ("export-one", ("--nproc", "1"), 2, ("--export-hf", "out"))]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The seeded init folder, and the reference's and every plan's run: (init, ref losses, ref rows,
+    {name: (folder, the command's result)})."""
     root = tmp_path_factory.mktemp("pp")
     config = {**preset_config("tiny-moe"), "num_hidden_layers": 4}
     main = seeded_model(ModelArgs.from_hf_config(config))
@@ -38,19 +57,32 @@ def reference(tmp_path_factory):
     missing, unexpected = model.load_state_dict(main.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("mtp.") for k in missing)
     save_pretrained(model, root / "init")
-    run_train(*EXACT, "--steps", str(STEPS), "--init-from", str(root / "init"), "--nproc", "1",
-              "--metrics-jsonl", "ref.jsonl", cwd=root)
-    return root / "init", step_losses(root / "ref.jsonl"), _steps(root / "ref.jsonl")
+    folders = {name: root / name for name, *_ in PLANS}
+    for folder in folders.values():
+        folder.mkdir()
+    results = run_trains([([*EXACT, "--steps", str(STEPS), "--init-from", str(root / "init"), "--nproc", "1",
+                            "--metrics-jsonl", "ref.jsonl"], root)]
+                         + [([*EXACT, "--steps", str(steps), "--init-from", str(root / "init"), *plan,
+                              "--metrics-jsonl", "m.jsonl", *extra], folders[name])
+                            for name, plan, steps, extra in PLANS], check=False)
+    _succeeded(results[0])
+    return (root / "init", step_losses(root / "ref.jsonl"), _steps(root / "ref.jsonl"),
+            {name: (folders[name], r) for (name, *_), r in zip(PLANS, results[1:], strict=True)})
+
+
+def _succeeded(r):
+    assert r.returncode == 0, f"paraseek train failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
 
 
 def _steps(jsonl) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, jsonl.read_text().splitlines()) if "event" not in r}
 
 
-def _run(init, cwd, *plan: str, steps: int = STEPS, jsonl: str = "m.jsonl", extra: tuple = ()):
-    r = run_train(*EXACT, "--steps", str(steps), "--init-from", str(init), *plan, "--metrics-jsonl", jsonl, *extra,
-                  cwd=cwd)
-    return r, step_losses(cwd / jsonl)
+def _run(reference, name: str):
+    """The plan's folder, the command's result and its losses."""
+    folder, r = reference[3][name]
+    return folder, _succeeded(r), step_losses(folder / "m.jsonl")
 
 
 def _same_grad_norms(cwd, ref_rows, jsonl: str = "m.jsonl") -> None:
@@ -62,55 +94,54 @@ def _same_grad_norms(cwd, ref_rows, jsonl: str = "m.jsonl") -> None:
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pp2_each_schedule_equals_single_process(reference, tmp_path, schedule):
-    init, ref, ref_rows = reference
+def test_pp2_each_schedule_equals_single_process(reference, schedule):
+    _, ref, ref_rows, _ = reference
     v = "1" if schedule in SINGLE_SCHEDULES else "2"
-    r, got = _run(init, tmp_path, "--nproc", "2", "--pp", "2", "--pp-schedule", schedule, "--pp-virtual-stages", v)
+    folder, r, got = _run(reference, f"pp2-{schedule}")
     assert f"pp=2 {schedule}" in r.stdout
     # The split it balanced is printed: 2 or 4 stages, the last with the head.
     n_stages = 2 * int(v)
     assert f"pipeline: {n_stages} stages on 2 ranks" in r.stdout
     assert f"stage {n_stages - 1} (pp rank" in r.stdout and "norm + head + loss" in r.stdout
     assert_same_losses(got, ref, RTOL)
-    _same_grad_norms(tmp_path, ref_rows)
+    _same_grad_norms(folder, ref_rows)
 
 
-def test_pp4_one_layer_per_rank_equals_single_process(reference, tmp_path):
-    init, ref, ref_rows = reference
-    r, got = _run(init, tmp_path, "--nproc", "4", "--pp", "4")
+def test_pp4_one_layer_per_rank_equals_single_process(reference):
+    _, ref, ref_rows, _ = reference
+    folder, r, got = _run(reference, "pp4")
     assert "stage 0 (pp rank 0): embedding, layer 0:" in r.stdout  # the dense layer: a rank without MoE layers
     assert_same_losses(got, ref, RTOL)
-    _same_grad_norms(tmp_path, ref_rows)
+    _same_grad_norms(folder, ref_rows)
 
 
-def test_pp2_tp2_equals_single_process(reference, tmp_path):
-    init, ref, ref_rows = reference
-    _, got = _run(init, tmp_path, "--nproc", "4", "--pp", "2", "--tp", "2")
+def test_pp2_tp2_equals_single_process(reference):
+    _, ref, ref_rows, _ = reference
+    folder, _, got = _run(reference, "pp2-tp2")
     assert_same_losses(got, ref, RTOL)
-    _same_grad_norms(tmp_path, ref_rows)
+    _same_grad_norms(folder, ref_rows)
 
 
-def test_tp2_ep2_equals_single_process(reference, tmp_path):
+def test_tp2_ep2_equals_single_process(reference):
     # Not a pipeline, but the same reference: experts sharded over ep ranks of dp_shard, each tp rank routing its
     # own T / tp tokens through them (their grads summed over tp).
-    init, ref, ref_rows = reference
-    _, got = _run(init, tmp_path, "--nproc", "4", "--tp", "2", "--ep", "2")
+    _, ref, ref_rows, _ = reference
+    folder, _, got = _run(reference, "tp2-ep2")
     assert_same_losses(got, ref, RTOL)
-    _same_grad_norms(tmp_path, ref_rows)
+    _same_grad_norms(folder, ref_rows)
 
 
-def test_pp2_ep2_dp_shard2_equals_single_process(reference, tmp_path):
-    init, ref, ref_rows = reference
-    r, got = _run(init, tmp_path, "--nproc", "4", "--pp", "2", "--dp-shard", "2", "--ep", "2",
-                  "--pp-schedule", "Interleaved1F1B")
+def test_pp2_ep2_dp_shard2_equals_single_process(reference):
+    _, ref, ref_rows, _ = reference
+    folder, _, got = _run(reference, "pp2-ep2-dp2")
     assert_same_losses(got, ref, RTOL)
-    _same_grad_norms(tmp_path, ref_rows)
+    _same_grad_norms(folder, ref_rows)
     # Expert-load telemetry covers every stage's MoE layers (3 of the 4 main layers, then the MTP module's, on the
     # last stage) at every step, and at step 1 (the same weights: the same tokens go to the same experts) matches the
     # single process's within one token. Later steps differ by more: AdamW's update of a ~1e-8 gradient element
     # depends on the reduction order, so the weights part by up to lr in such elements and near-ties move (by step 6
     # the MTP layer's max/mean read 2.67 against 2.84, with the losses still within 1e-4).
-    rows = _steps(tmp_path / "m.jsonl")
+    rows = _steps(folder / "m.jsonl")
     assert sorted(rows) == sorted(ref_rows)
     for step, row in rows.items():
         assert len(row["expert_load_max_over_mean_per_layer"]) == 4, (step, row)
@@ -120,22 +151,21 @@ def test_pp2_ep2_dp_shard2_equals_single_process(reference, tmp_path):
     assert abs(first["expert_tokens_max"] - ref_first["expert_tokens_max"]) <= 1
 
 
-def test_checkpoint_tp2_pp2_resumes_under_dp_shard4(reference, tmp_path):
-    init, ref, ref_rows = reference
-    ck = ("--checkpoint-dir", "ck")
-    _run(init, tmp_path, "--nproc", "4", "--pp", "2", "--tp", "2", steps=3, jsonl="a.jsonl", extra=ck)
-    r, resumed = _run(init, tmp_path, "--nproc", "4", "--dp-shard", "4", jsonl="b.jsonl", extra=(*ck, "--resume"))
+def test_checkpoint_tp2_pp2_resumes_under_dp_shard4(reference):
+    init, ref, _, _ = reference
+    folder, _, _ = _run(reference, "tp2-pp2-saved")  # 3 steps under tp=2 x pp=2, checkpoint in ck
+    # the second leg through `paraseek train` itself, one launch
+    r = run_train(*EXACT, "--steps", str(STEPS), "--init-from", str(init), "--nproc", "4", "--dp-shard", "4",
+                  "--metrics-jsonl", "b.jsonl", "--checkpoint-dir", "ck", "--resume", cwd=folder)
     assert "resumed from ck/step-000003 at step 3" in r.stdout
-    assert_same_losses(resumed, {s: ref[s] for s in range(4, STEPS + 1)}, RTOL)
+    assert_same_losses(step_losses(folder / "b.jsonl"), {s: ref[s] for s in range(4, STEPS + 1)}, RTOL)
 
 
-def test_export_under_pp_has_every_stage(reference, tmp_path):
-    init, _, _ = reference
-    _run(init, tmp_path, "--nproc", "2", "--pp", "2", steps=2, extra=("--export-hf", "out"))
-    exported = load_pretrained(tmp_path / "out", dtype=torch.float32)
-    trained_on_one = tmp_path / "one"
-    trained_on_one.mkdir()
-    _run(init, trained_on_one, "--nproc", "1", steps=2, extra=("--export-hf", "out"))
+def test_export_under_pp_has_every_stage(reference):
+    init, _, _, _ = reference
+    folder, _, _ = _run(reference, "export-pp2")
+    exported = load_pretrained(folder / "out", dtype=torch.float32)
+    trained_on_one, _, _ = _run(reference, "export-one")
     ref = load_pretrained(trained_on_one / "out", dtype=torch.float32)
     got_sd, ref_sd = exported.state_dict(), ref.state_dict()
     assert sorted(got_sd) == sorted(ref_sd)
