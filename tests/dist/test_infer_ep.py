@@ -2,8 +2,10 @@
 bias, a shared expert, 8 routed experts), fp32, two processes. `--ep 2` (attention replicated) and `--tp 2 --ep 2`
 (attention by heads) give one process's greedy tokens and log-probabilities within 1e-4; each rank holds, and
 reads from the safetensors, only its 4 routed experts; an FP8 block-quantized folder (scripts/write_fp8_checkpoint.py)
-loads sharded under --ep 2 and gives one process's tokens of the same folder dequantized. The CLI refuses what
-cannot be split, in one line, before any weight is read."""
+loads sharded under --ep 2 and gives one process's tokens of the same folder dequantized. `--ep 2 --dp-attention`
+(each rank its own requests and cache, the MoE layers shared) gives them too, with the ranks running different
+numbers of requests, each rank's pool holding its own requests' blocks only. The CLI refuses what cannot be split,
+in one line, before any weight is read."""
 
 from pathlib import Path
 
