@@ -131,10 +131,15 @@ def place(ns: argparse.Namespace, device: str) -> Placement:
 
 
 def finish(rc: int, pl: Placement) -> int:
-    """`rc`, after every rank has reached the end and left its process groups."""
+    """`rc`, after every rank has reached the end and left its process groups. A rank of several exits here, as
+    train/worker.py does: gloo's threads occasionally abort the interpreter's teardown ("terminate called without an
+    active exception", signal 6) after all work and output is done."""
     if pl.world > 1:
         import torch.distributed as dist
 
         dist.barrier(group=pl.world_gloo)
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     return rc
