@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import tempfile
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,22 @@ class UserError(Exception):
 def first_line(e: Exception) -> str:
     """An exception's message cut to its first line (a library's multi-line error inside a one-line UserError)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def read_parsed(path: Path, label: str, kind: str) -> object:
+    """A user's whole JSON or TOML file parsed (`kind` names the format as the message should: "JSON", "valid JSON",
+    "valid TOML"); a file that is not that format, not UTF-8 or cannot be read is one UserError starting `label`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        return tomllib.loads(text) if kind.endswith("TOML") else json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{label}: not {kind} ({e.msg} at line {e.lineno})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{label}: not {kind} ({e})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{label}: not {kind} (not UTF-8 text: a binary file?)") from None
+    except OSError as e:
+        raise UserError(f"{label}: cannot be read ({e.strerror or type(e).__name__})") from None
 
 
 def read_jsonl_objects(path: str | Path, what: str) -> Iterator[tuple[int, dict]]:

@@ -130,11 +130,9 @@ os.environ.update(base_env)
 def worker(rank, world, commands):  # paraseek.train.worker for each command in turn, in a forked process
     import torch.distributed as dist
     import torch.distributed.tensor.debug as dtensor_debug
-    from paraseek.errors import UserError
     from paraseek.train.config import TrainConfig
-    from paraseek.train.loop import train
     from paraseek.train.stop import STOP
-    from paraseek.train.worker import CONFIG_ENV
+    from paraseek.train.worker import CONFIG_ENV, train_code
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     init_process_group = dist.init_process_group
@@ -157,13 +155,9 @@ def worker(rank, world, commands):  # paraseek.train.worker for each command in 
         dist.init_process_group = lambda backend, *a, i=i, **kw: init_process_group(
             backend, *a, store=dist.PrefixStore(f"run{i}/", store), rank=rank, world_size=world, **kw)
 
-        def run():
+        def run():  # paraseek.train.worker.run without its exit: the next command follows in this process
             try:
-                return train(TrainConfig(**json.loads(env[CONFIG_ENV])))
-            except UserError as e:
-                if rank == 0:
-                    print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
-                return 2
+                return train_code(TrainConfig(**json.loads(env[CONFIG_ENV])))
             except BaseException:
                 traceback.print_exc()
                 return 1
@@ -217,8 +211,8 @@ def run_trains(runs: list[tuple[list[str], Path]], check: bool = True,
     worker's imports take seconds; its training here, a fraction of one). One Python process runs every command's
     launcher (paraseek.cli.main in the command's folder, PARASEEK_CACHE=CWD/cache as run_train sets it) up to its
     call of torch's launcher; then, for each process count, it forks that many workers, which train the commands of
-    that count one after the other (paraseek.train.loop.train with the configuration and environment the launcher
-    handed over, as paraseek.train.worker runs it), each command in a process group of its own.
+    that count one after the other (paraseek.train.worker.train_code with the configuration and environment the
+    launcher handed over), each command in a process group of its own.
 
     What each command printed (its launcher's lines, then each rank's) and its exit code come back as run_train's
     would, and its files are where the command writes them: the same losses to the bit as one launch each

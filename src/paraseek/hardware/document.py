@@ -3,13 +3,12 @@ findings, and the nodes' inventories so that a saved document can be read back (
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, read_parsed
 from paraseek.hardware import topology as topo
 from paraseek.hardware.rules import Finding, Machine
 from paraseek.hardware.specs import spec_for_device_name
@@ -80,14 +79,7 @@ def load_document(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--load {path}: no such file; give a document written by `paraseek doctor --json`")
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"--load {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--load {path}: not JSON (not UTF-8 text: a binary file?)") from None
-    except OSError as e:
-        raise UserError(f"--load {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    doc = read_parsed(p, f"--load {path}", "JSON")
     if not isinstance(doc, dict) or "gpus" not in doc or "nodes" not in doc:
         raise UserError(f"--load {path}: not a paraseek doctor document (needs 'gpus' and 'nodes'); make one with "
                         "`paraseek doctor --json`")

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, read_parsed
 from paraseek.hardware.specs import spec_for_device_name
 
 SCHEMA = "paraseek.hardware_profile/1"
@@ -107,14 +107,7 @@ def load_profile(path: str | Path, required: tuple[str, ...] = REQUIRED) -> dict
     p = Path(path)
     if not p.is_file():
         raise UserError(f"hardware profile {p}: no such file; write one with `paraseek doctor --save {p}`")
-    try:
-        prof = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"hardware profile {p}: not JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"hardware profile {p}: not JSON (not UTF-8 text: a binary file?)") from None
-    except OSError as e:
-        raise UserError(f"hardware profile {p}: cannot be read ({e.strerror or type(e).__name__})") from None
+    prof = read_parsed(p, f"hardware profile {p}", "JSON")
     missing = [k for k in required if not isinstance(prof, dict) or k not in prof]
     if missing:
         raise UserError(f"hardware profile {p}: missing {', '.join(missing)}; write it again with "

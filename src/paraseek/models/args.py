@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, read_parsed
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3")
 _ARCHITECTURES = {
@@ -348,14 +348,7 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise UserError(f"{path}: no config.json in this folder (expected an HF model folder)")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{cfg_path}: not valid JSON (not UTF-8 text: a binary file?)") from None
-    except OSError as e:
-        raise UserError(f"{cfg_path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    cfg = read_parsed(cfg_path, str(cfg_path), "valid JSON")
     if not isinstance(cfg, dict):
         raise UserError(f"{cfg_path}: expected a JSON object of the model's settings, found {type(cfg).__name__}")
     return cfg

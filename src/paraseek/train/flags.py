@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from paraseek.errors import UserError
+from paraseek.errors import UserError, read_parsed
 from paraseek.train.config import CHOICES, FIELDS, KINDS, TrainConfig, field_problem
 
 
@@ -153,14 +152,7 @@ def from_namespace(ns: argparse.Namespace) -> TrainConfig:
         path = Path(ns.config)
         if not path.is_file():
             raise UserError(f"--config {path}: {'a folder; give the TOML file' if path.is_dir() else 'no such file'}")
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"--config {path}: not valid TOML ({e})") from None
-        except UnicodeDecodeError:
-            raise UserError(f"--config {path}: not valid TOML (not UTF-8 text: a binary file?)") from None
-        except OSError as e:
-            raise UserError(f"--config {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+        raw = read_parsed(path, f"--config {path}", "valid TOML")
         for key, value in raw.items():
             name = key.replace("-", "_")
             if name not in FIELDS and isinstance(value, dict):  # [train] steps = 3

@@ -15,18 +15,23 @@ from paraseek.train.stop import STOP
 CONFIG_ENV = "PARASEEK_TRAIN_CONFIG"  # the parent's resolved TrainConfig as JSON (train/launch.py)
 
 
-def run(cfg: TrainConfig) -> None:
-    """Train, then exit with its code: 0, 2 for a user error (printed by rank 0), progress.REPORTED or
-    progress.PEER_LOST for a failure, 130/143 when SIGINT/SIGTERM stopped it."""
-    STOP.install()  # first: the imports below take seconds
+def train_code(cfg: TrainConfig) -> int:
+    """Train; the exit code: 0, 2 for a user error (printed by rank 0), progress.REPORTED or progress.PEER_LOST for
+    a failure, 130/143 when SIGINT/SIGTERM stopped it."""
     from paraseek.train.loop import train
 
     try:
-        rc = train(cfg)
+        return train(cfg)
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"paraseek: error: {e}", file=sys.stderr, flush=True)
-        rc = 2
+        return 2
+
+
+def run(cfg: TrainConfig) -> None:
+    """Train, then exit with train_code's code."""
+    STOP.install()  # first: the imports of train_code take seconds
+    rc = train_code(cfg)
     # Leave without the interpreter's teardown: on CPU, gloo's threads occasionally abort the process while
     # static objects are destroyed ("terminate called without an active exception", exit -6) after all work and
     # output is done. Everything we write is closed by now; flush what is buffered and exit with our code.
